@@ -1,0 +1,78 @@
+"""tiersave: fast, stall-free, tiered checkpointing for PyTorch training.
+
+The public API is re-exported here and locked by ``tests/unit/test_public_api.py``. Attributes are
+loaded lazily (PEP 562) so that ``import tiersave`` and the CLI start without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
+from .errors import (
+    AlreadyExistsError,
+    BackendUnavailableError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DistributedCheckpointError,
+    FormatError,
+    NoSpaceError,
+    ObjectNotFoundError,
+    PermissionDeniedError,
+    PreconditionFailedError,
+    SaveError,
+    SaveTimeoutError,
+    StateMismatchError,
+    StorageError,
+    TiersaveError,
+    TiersaveWarning,
+    TransientStorageError,
+    UnsupportedFormatVersionError,
+    UnsupportedStateError,
+)
+
+# name -> module that defines it; imported on first access.
+_LAZY: dict[str, str] = {}
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+__all__ = [
+    "AlreadyExistsError",
+    "BackendUnavailableError",
+    "CheckpointNotFoundError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "DistributedCheckpointError",
+    "FormatError",
+    "NoSpaceError",
+    "ObjectNotFoundError",
+    "PermissionDeniedError",
+    "PreconditionFailedError",
+    "SaveError",
+    "SaveTimeoutError",
+    "StateMismatchError",
+    "StorageError",
+    "TiersaveError",
+    "TiersaveWarning",
+    "TransientStorageError",
+    "UnsupportedFormatVersionError",
+    "UnsupportedStateError",
+    "__version__",
+    *sorted(_LAZY),
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tiersave' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
