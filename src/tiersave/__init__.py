@@ -34,10 +34,21 @@ from .errors import (
 )
 
 # name -> module that defines it; imported on first access.
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "Checkpointer": ".checkpointer",
+    "RestoreReport": ".checkpointer",
+    "SaveHandle": ".handle",
+    "SaveStats": ".handle",
+    "CheckpointInfo": ".catalog",
+    "VerifyReport": ".catalog",
+    "RNGState": ".rng",
+}
 
 if TYPE_CHECKING:  # pragma: no cover
-    pass
+    from .catalog import CheckpointInfo, VerifyReport  # noqa: F401
+    from .checkpointer import Checkpointer, RestoreReport  # noqa: F401
+    from .handle import SaveHandle, SaveStats  # noqa: F401
+    from .rng import RNGState  # noqa: F401
 
 __all__ = [
     "AlreadyExistsError",

@@ -1,0 +1,417 @@
+"""The committed checkpoints of one storage root: list, describe, open for reading, verify, delete.
+
+Torch-free, so the CLI can list, inspect, verify and export checkpoints on any machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import knobs
+from .commit import owner_alive
+from .engine.reader import ReadRequest, read_tensors
+from .errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    FormatError,
+    ObjectNotFoundError,
+    TiersaveError,
+)
+from .format.checksum import chunk_ranges
+from .format.layout import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    is_leftover,
+    new_token,
+    parse_step_dirname,
+    step_dirname,
+    trash_dirname,
+)
+from .format.manifest import Manifest, TensorEntry
+from .storage.base import BlobReader, Storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint, as listed.
+
+    Attributes:
+        step: training step.
+        location: URI of the checkpoint directory or prefix.
+        created_at: RFC 3339 commit time.
+        tags: user tags (``best``, ``milestone``...).
+        metrics: user metrics (loss...).
+        num_tensors: tensors stored.
+        tensor_bytes: bytes of tensor data.
+        stored_bytes: bytes on storage (shards with alignment padding, without the manifest).
+        world_size: ranks that wrote it.
+        stats: save statistics recorded by the writer.
+    """
+
+    step: int
+    location: str
+    created_at: str
+    tags: tuple[str, ...]
+    metrics: dict[str, float]
+    num_tensors: int
+    tensor_bytes: int
+    stored_bytes: int
+    world_size: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_manifest(cls, m: Manifest, location: str) -> CheckpointInfo:
+        return cls(
+            step=m.step,
+            location=location,
+            created_at=m.created_at,
+            tags=tuple(m.tags),
+            metrics=dict(m.metrics),
+            num_tensors=len(m.tensors),
+            tensor_bytes=m.total_bytes,
+            stored_bytes=m.stored_bytes,
+            world_size=m.world_size,
+            stats=dict(m.stats),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "location": self.location,
+            "created_at": self.created_at,
+            "tags": list(self.tags),
+            "metrics": self.metrics,
+            "num_tensors": self.num_tensors,
+            "tensor_bytes": self.tensor_bytes,
+            "stored_bytes": self.stored_bytes,
+            "world_size": self.world_size,
+        }
+
+
+@dataclass
+class VerifyReport:
+    """Result of reading every byte of one checkpoint against its checksums."""
+
+    step: int
+    ok: bool
+    bytes_checked: int
+    seconds: float
+    errors: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "ok": self.ok,
+            "bytes_checked": self.bytes_checked,
+            "seconds": round(self.seconds, 6),
+            "errors": self.errors,
+        }
+
+
+@dataclass
+class PruneResult:
+    """What a prune deleted (or, in a dry run, would delete) and kept."""
+
+    deleted: list[int]
+    kept: list[int]
+    leftovers_removed: list[str]
+    live_saves: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "deleted": self.deleted,
+            "kept": self.kept,
+            "leftovers_removed": self.leftovers_removed,
+            "live_saves": self.live_saves,
+        }
+
+
+class OpenCheckpoint:
+    """A committed checkpoint opened for reading: its manifest and lazily opened shard readers.
+
+    Opening a shard checks that its length equals the manifest's declared size, which rejects
+    truncated, extended and swapped-in foreign shards before any byte is used.
+    """
+
+    def __init__(self, storage: Storage, manifest: Manifest, prefix: str) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        self.prefix = prefix
+        self._readers: dict[int, BlobReader] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def location(self) -> str:
+        return f"{self.storage.uri.rstrip('/')}/{self.prefix}"
+
+    def reader(self, shard: int) -> BlobReader:
+        with self._lock:
+            reader = self._readers.get(shard)
+            if reader is None:
+                info = self.manifest.shards[shard]
+                key = f"{self.prefix}/{info.file}"
+                try:
+                    reader = self.storage.open_reader(key)
+                except ObjectNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"step {self.step}: shard {info.file} is missing from {self.location}",
+                        step=self.step,
+                        file=info.file,
+                    ) from None
+                if reader.size != info.size:
+                    reader.close()
+                    raise CorruptCheckpointError(
+                        f"step {self.step}: shard {info.file} is {reader.size} bytes, the manifest says "
+                        f"{info.size} (truncated, extended or replaced)",
+                        step=self.step,
+                        file=info.file,
+                    )
+                self._readers[shard] = reader
+            return reader
+
+    def describe(self, entry: TensorEntry) -> tuple[str, int | None]:
+        return self.manifest.shards[entry.shard].file, self.step
+
+    def read(self, requests: Sequence[ReadRequest], *, executor: Executor) -> float:
+        """Read and verify tensors into the requests' buffers; returns seconds spent."""
+        for req in requests:  # open (and size-check) every shard before reading any byte
+            self.reader(req.entry.shard)
+        return read_tensors(
+            self.reader,
+            requests,
+            chunk_bytes=self.manifest.chunk_bytes,
+            executor=executor,
+            describe=self.describe,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            for reader in self._readers.values():
+                reader.close()
+            self._readers.clear()
+
+    def __enter__(self) -> OpenCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Catalog:
+    """Committed checkpoints in one storage root."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._cache: dict[int, Manifest] = {}
+        self._lock = threading.Lock()
+
+    # -- listing ----------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints, ascending (a directory without a manifest is not one)."""
+        out = []
+        for name in self.storage.list_dirs(""):
+            step = parse_step_dirname(name)
+            if step is not None and self.storage.exists(f"{name}/{MANIFEST_NAME}"):
+                out.append(step)
+        return sorted(out)
+
+    def manifest(self, step: int) -> Manifest:
+        """The validated manifest of ``step`` (cached: committed checkpoints never change)."""
+        with self._lock:
+            cached = self._cache.get(step)
+        if cached is not None:
+            return cached
+        key = f"{step_dirname(step)}/{MANIFEST_NAME}"
+        try:
+            data = self.storage.get(key, max_bytes=MAX_MANIFEST_BYTES)
+        except ObjectNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.storage.uri}") from None
+        manifest = Manifest.parse(data, path=f"{self.storage.uri.rstrip('/')}/{key}", expect_step=step)
+        with self._lock:
+            self._cache[step] = manifest
+        return manifest
+
+    def info(self, step: int) -> CheckpointInfo:
+        return CheckpointInfo.from_manifest(self.manifest(step), self.location(step))
+
+    def location(self, step: int) -> str:
+        return f"{self.storage.uri.rstrip('/')}/{step_dirname(step)}"
+
+    def entries(self) -> Iterator[tuple[int, CheckpointInfo | None, TiersaveError | None]]:
+        """Every committed step with its info, or the error that prevents reading its manifest."""
+        for step in self.steps():
+            try:
+                yield step, self.info(step), None
+            except (FormatError, CheckpointNotFoundError) as exc:
+                yield step, None, exc
+
+    def infos(self) -> list[CheckpointInfo]:
+        """Infos of the checkpoints whose manifests are valid, ascending by step."""
+        return [info for _, info, _ in self.entries() if info is not None]
+
+    def find(self, step: int | None = None, tag: str | None = None) -> list[int]:
+        """Candidate steps for a restore, newest first: ``step`` alone, those tagged ``tag``, or all."""
+        if step is not None:
+            if step not in self.steps():
+                raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.storage.uri}")
+            if tag is not None and tag not in self.manifest(step).tags:
+                raise CheckpointNotFoundError(f"step {step} in {self.storage.uri} is not tagged {tag!r}")
+            return [step]
+        steps = sorted(self.steps(), reverse=True)
+        if tag is None:
+            return steps
+        tagged = []
+        for s in steps:
+            try:
+                if tag in self.manifest(s).tags:
+                    tagged.append(s)
+            except FormatError:
+                continue
+        if not tagged:
+            raise CheckpointNotFoundError(f"no checkpoint tagged {tag!r} in {self.storage.uri}")
+        return tagged
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def open(self, step: int) -> OpenCheckpoint:
+        return OpenCheckpoint(self.storage, self.manifest(step), step_dirname(step))
+
+    def verify(self, step: int, *, executor: Executor | None = None) -> VerifyReport:
+        """Read every byte of ``step``: tensor chunks against their checksums, padding must be zero."""
+        start = time.perf_counter()
+        errors: list[str] = []
+        checked = 0
+        try:
+            ckpt = self.open(step)
+        except (FormatError, CheckpointNotFoundError) as exc:
+            return VerifyReport(step, False, 0, time.perf_counter() - start, [str(exc)])
+        own = executor is None
+        pool = executor or ThreadPoolExecutor(knobs.io_threads(), thread_name_prefix="tiersave-verify")
+        try:
+            with ckpt:
+                m = ckpt.manifest
+                requests = []
+                buffers = []
+                for entry in m.tensors.values():
+                    buf = bytearray(entry.nbytes)
+                    buffers.append(buf)
+                    requests.append(ReadRequest(entry, memoryview(buf)))
+                    if sum(len(b) for b in buffers) > (256 << 20):  # verify in bounded memory
+                        checked += self._verify_batch(ckpt, requests, pool, errors)
+                        requests, buffers = [], []
+                checked += self._verify_batch(ckpt, requests, pool, errors)
+                if not errors:
+                    checked += self._verify_padding(ckpt, errors)
+        finally:
+            if own:
+                pool.shutdown()
+        return VerifyReport(step, not errors, checked, time.perf_counter() - start, errors)
+
+    @staticmethod
+    def _verify_batch(ckpt: OpenCheckpoint, requests: list[ReadRequest], pool: Executor, errors: list[str]) -> int:
+        if not requests or errors:
+            return 0
+        try:
+            ckpt.read(requests, executor=pool)
+        except (FormatError, ObjectNotFoundError) as exc:
+            errors.append(str(exc))
+            return 0
+        return sum(r.entry.nbytes for r in requests)
+
+    @staticmethod
+    def _verify_padding(ckpt: OpenCheckpoint, errors: list[str]) -> int:
+        m = ckpt.manifest
+        checked = 0
+        for index, shard in enumerate(m.shards):
+            covered = sorted((t.offset, t.offset + t.nbytes) for t in m.tensors.values() if t.shard == index)
+            gaps, cursor = [], 0
+            for begin, end in covered:
+                if begin > cursor:
+                    gaps.append((cursor, begin))
+                cursor = max(cursor, end)
+            if cursor < shard.size:
+                gaps.append((cursor, shard.size))
+            reader = ckpt.reader(index)
+            for begin, end in gaps:
+                for off, length in chunk_ranges(end - begin, 1 << 20):
+                    buf = bytearray(length)
+                    reader.read_into(begin + off, memoryview(buf))
+                    if buf.count(0) != length:
+                        errors.append(f"step {m.step}: shard {shard.file} has non-zero padding at byte {begin + off}")
+                        return checked
+                    checked += length
+        return checked
+
+    # -- deletion ---------------------------------------------------------------------------------
+
+    def delete(self, step: int) -> None:
+        """Delete a committed checkpoint: un-commit it atomically first, then remove its data."""
+        name = step_dirname(step)
+        with self._lock:
+            self._cache.pop(step, None)
+        if self.storage.capabilities.atomic_rename:
+            trash = trash_dirname(step, new_token())
+            self.storage.rename_prefix(name, trash)
+            self.storage.delete_prefix(trash)
+        else:
+            self.storage.delete(f"{name}/{MANIFEST_NAME}")  # the commit marker goes first
+            self.storage.delete_prefix(name)
+
+    def prune(self, keep_last: int | None, *, dry_run: bool = False, force: bool = False) -> PruneResult:
+        """Delete all but the ``keep_last`` newest checkpoints (None: keep all) and removable leftovers.
+
+        Args:
+            dry_run: report what would be deleted, delete nothing.
+            force: also remove temporary directories made on other hosts.
+        """
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ConfigError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        steps = self.steps()
+        doomed = steps[:-keep_last] if keep_last else []
+        leftovers = self.leftovers()
+        removable = [n for n, s in leftovers if s == "dead" or (s == "unknown" and force)]
+        if not dry_run:
+            for step in doomed:
+                self.delete(step)
+            removable = self.clean_leftovers(force=force)
+        return PruneResult(
+            deleted=doomed,
+            kept=[s for s in steps if s not in doomed],
+            leftovers_removed=removable,
+            live_saves=[n for n, s in leftovers if s == "live"],
+        )
+
+    def leftovers(self) -> list[tuple[str, str]]:
+        """Temporary and trash directories with their status: ``dead`` (its save or delete was
+        interrupted), ``live`` (a running save on this host) or ``unknown`` (made on another host)."""
+        out = []
+        for name in self.storage.list_dirs(""):
+            if not is_leftover(name):
+                continue
+            alive = owner_alive(name) if ".tmp-" in name else False
+            out.append((name, "live" if alive else ("dead" if alive is False else "unknown")))
+        return out
+
+    def clean_leftovers(self, *, force: bool = False) -> list[str]:
+        """Remove leftovers of interrupted saves and deletes. A live save's directory is always kept;
+        one made on another host (shared file system) only with ``force``."""
+        removed = []
+        for name, status in self.leftovers():
+            if status == "dead" or (status == "unknown" and force):
+                self.storage.delete_prefix(name)
+                removed.append(name)
+        return removed

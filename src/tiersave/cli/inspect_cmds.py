@@ -1,0 +1,240 @@
+"""``tiersave ls``, ``inspect`` and ``verify``: look at checkpoints without torch."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, human_bytes, table
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "ls",
+        help="list the checkpoints under a root",
+        description="List committed checkpoints (and leftovers of interrupted saves).",
+    )
+    p.add_argument("root", help="checkpoint root: a directory or file:// URI")
+    add_json_flag(p)
+    p.set_defaults(handler=_ls)
+
+    p = sub.add_parser(
+        "inspect",
+        help="show one checkpoint's tensors, metadata and metrics",
+        description="Show a checkpoint's manifest: state tree, tensors, metrics, tags, stats.",
+    )
+    p.add_argument("root")
+    p.add_argument("--step", type=int, help="step to inspect (default: the newest)")
+    p.add_argument("--tag", help="inspect the newest checkpoint with this tag")
+    p.add_argument("--max-tensors", type=int, default=50, help="tensors to list in text output (default 50)")
+    add_json_flag(p)
+    p.set_defaults(handler=_inspect)
+
+    p = sub.add_parser(
+        "verify",
+        help="read every byte and check it against the checksums",
+        description="Verify checkpoints: every tensor chunk against its CRC-32C, shard sizes, "
+        "zero padding. Exit code 1 if any checkpoint is damaged.",
+    )
+    p.add_argument("root")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--step", type=int, help="step to verify (default: the newest)")
+    g.add_argument("--all", action="store_true", help="verify every checkpoint")
+    add_json_flag(p)
+    p.set_defaults(handler=_verify)
+
+
+def _catalog(root: str) -> Any:
+    from ..catalog import Catalog
+    from ..storage import open_storage
+
+    return Catalog(open_storage(root, create=False))
+
+
+def _ls(args: argparse.Namespace, out: Output) -> int:
+    catalog = _catalog(args.root)
+    rows, items = [], []
+    for step, info, err in catalog.entries():
+        if info is None:
+            items.append({"step": step, "error": str(err)})
+            rows.append([str(step), "-", "-", "-", "-", f"UNREADABLE: {err}"])
+            continue
+        items.append(info.to_json())
+        metrics = " ".join(f"{k}={v:.6g}" for k, v in sorted(info.metrics.items()))
+        rows.append(
+            [
+                str(step),
+                info.created_at.replace("T", " ")[:19],
+                human_bytes(info.stored_bytes),
+                str(info.num_tensors),
+                ",".join(info.tags) or "-",
+                metrics or "-",
+            ]
+        )
+    leftovers = [{"name": n, "status": s} for n, s in catalog.leftovers()]
+    text = (
+        table(["step", "created (UTC)", "size", "tensors", "tags", "metrics"], rows)
+        if rows
+        else f"no checkpoints in {catalog.storage.uri}"
+    )
+    if leftovers:
+        text += "\n\nleftovers (removed by `tiersave prune`):\n" + "\n".join(
+            f"  {x['name']}  ({x['status']})" for x in leftovers
+        )
+    out.emit({"root": catalog.storage.uri, "checkpoints": items, "leftovers": leftovers}, text)
+    return EXIT_OK
+
+
+def _pick_step(catalog: Any, step: int | None, tag: str | None) -> int:
+    return int(catalog.find(step, tag)[0])
+
+
+class _SummaryHooks:
+    """Decodes a manifest tree into a JSON-able summary (tensors described, not loaded)."""
+
+    def __init__(self, manifest: Any) -> None:
+        self.m = manifest
+
+    def _t(self, name: str, kind: str) -> Any:
+        t = self.m.tensors[name]
+        return {kind: name, "dtype": t.dtype, "shape": list(t.shape)}
+
+    def tensor(self, name: str, path: str) -> Any:
+        return self._t(name, "tensor")
+
+    def ndarray(self, name: str, path: str) -> Any:
+        return self._t(name, "ndarray")
+
+    def npscalar(self, dtype: str, raw: bytes, path: str) -> Any:
+        return {"numpy_scalar": dtype, "hex": raw.hex()}
+
+    def dtype(self, name: str, path: str) -> Any:
+        return {"dtype": name}
+
+    def stateful(self, type_name: str, state: Any, path: str) -> Any:
+        return {"object": type_name, "state": state}
+
+    def statedict(self, entries: dict[Any, Any], metadata: Any, path: str) -> Any:
+        return entries
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return {"bytes": len(value)}
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _render(value: Any, indent: int = 0, limit: list[int] | None = None) -> list[str]:
+    limit = limit if limit is not None else [200]
+    pad = "  " * indent
+    lines: list[str] = []
+    if isinstance(value, dict) and ("tensor" in value or "ndarray" in value) and "shape" in value:
+        return [f"{pad}{value['dtype']}{value['shape']}"]
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if limit[0] <= 0:
+                lines.append(f"{pad}...")
+                break
+            limit[0] -= 1
+            if isinstance(v, (dict, list)) and not ("shape" in v if isinstance(v, dict) else False) and v:
+                lines.append(f"{pad}{k}:")
+                lines.extend(_render(v, indent + 1, limit))
+            else:
+                lines.append(f"{pad}{k}: {_render(v, 0, limit)[0].strip() if v != {} else '{}'}")
+        return lines
+    if isinstance(value, list):
+        if len(value) > 8 and all(not isinstance(v, (dict, list)) for v in value):
+            return [f"{pad}[{', '.join(map(str, value[:8]))}, ... ({len(value)} items)]"]
+        for i, v in enumerate(value):
+            if limit[0] <= 0:
+                lines.append(f"{pad}...")
+                break
+            limit[0] -= 1
+            sub = _render(v, indent + 1, limit)
+            lines.append(f"{pad}- {sub[0].strip()}" if len(sub) == 1 else f"{pad}- [{i}]")
+            if len(sub) > 1:
+                lines.extend(sub)
+        return lines or [f"{pad}[]"]
+    return [f"{pad}{value!r}"]
+
+
+def _inspect(args: argparse.Namespace, out: Output) -> int:
+    from ..format.tree import TreeDecoder
+
+    catalog = _catalog(args.root)
+    step = _pick_step(catalog, args.step, args.tag)
+    m = catalog.manifest(step)
+    tree = _jsonable(TreeDecoder(_SummaryHooks(m)).decode(m.tree))
+    tensors = [
+        {
+            "name": t.name,
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "nbytes": t.nbytes,
+            "shard": m.shards[t.shard].file,
+            "offset": t.offset,
+        }
+        for t in m.tensors.values()
+    ]
+    data = {
+        "step": m.step,
+        "location": catalog.location(step),
+        "format_version": m.format_version,
+        "created_at": m.created_at,
+        "world_size": m.world_size,
+        "tags": list(m.tags),
+        "metrics": dict(m.metrics),
+        "metadata": dict(m.metadata),
+        "stats": dict(m.stats),
+        "tensor_bytes": m.total_bytes,
+        "stored_bytes": m.stored_bytes,
+        "shards": [{"file": s.file, "rank": s.rank, "size": s.size} for s in m.shards],
+        "tensors": tensors,
+        "tree": tree,
+    }
+    lines = [
+        f"step {m.step}  ({catalog.location(step)})",
+        f"  created {m.created_at}   format {m.format_version}   world size {m.world_size}",
+        f"  {len(tensors)} tensors, {human_bytes(m.total_bytes)} of data, {human_bytes(m.stored_bytes)} "
+        f"in {len(m.shards)} shard(s)",
+        f"  tags: {', '.join(m.tags) or '-'}",
+        f"  metrics: {', '.join(f'{k}={v:.6g}' for k, v in m.metrics.items()) or '-'}",
+    ]
+    if m.metadata:
+        lines.append(f"  metadata: {_jsonable(dict(m.metadata))}")
+    if m.stats:
+        lines.append("  save stats: " + ", ".join(f"{k}={v}" for k, v in m.stats.items()))
+    lines.append("\nstate:")
+    lines.extend(_render(tree, 1))
+    lines.append("\ntensors:")
+    rows = [[t["name"], t["dtype"], str(t["shape"]), human_bytes(t["nbytes"])] for t in tensors[: args.max_tensors]]
+    lines.append(table(["name", "dtype", "shape", "size"], rows))
+    if len(tensors) > args.max_tensors:
+        lines.append(f"... and {len(tensors) - args.max_tensors} more (--max-tensors, or --json)")
+    out.emit(data, "\n".join(lines))
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace, out: Output) -> int:
+    catalog = _catalog(args.root)
+    chosen = catalog.steps() if args.all else catalog.find(args.step)[:1]
+    reports = []
+    for step in chosen:
+        out.progress(f"verifying step {step} ...")
+        reports.append(catalog.verify(step))
+    lines = []
+    for r in reports:
+        rate = r.bytes_checked / r.seconds / 1e9 if r.seconds > 0 else 0.0
+        status = "OK" if r.ok else "DAMAGED"
+        lines.append(f"step {r.step}: {status}  {human_bytes(r.bytes_checked)} in {r.seconds:.2f} s ({rate:.2f} GB/s)")
+        lines.extend(f"    {e}" for e in r.errors)
+    ok = all(r.ok for r in reports)
+    out.emit({"ok": ok, "reports": [r.to_json() for r in reports]}, "\n".join(lines))
+    return EXIT_OK if ok else EXIT_FAILURE

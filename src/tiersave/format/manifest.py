@@ -1,0 +1,351 @@
+"""The manifest: the one JSON document that describes a checkpoint and whose presence commits it.
+
+``Manifest.to_json()`` writes docs/format.md section 4; ``Manifest.parse()`` performs every check of
+section 4.2 before any value is used, so code holding a ``Manifest`` can trust its offsets and sizes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import itertools
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._version import __version__
+from ..errors import CorruptCheckpointError, FormatError, UnsupportedFormatVersionError
+from . import FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_STR
+from .checksum import ALGORITHM, chunk_count
+from .dtypes import lookup
+from .jsonsafe import dumps_canonical, is_finite_number, loads_strict
+from .layout import ALIGN, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, MAX_STEP, is_safe_file, is_valid_tag
+from .tree import validate_tree
+
+_MAX_INT = (1 << 63) - 1
+_MAX_NDIM = 64
+_MAX_NAME = 1024
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+_VERSION_RE = re.compile(r"^([0-9]{1,4})\.([0-9]{1,4})$")
+
+_TOP_FIELDS = frozenset(
+    {
+        "format",
+        "format_version",
+        "step",
+        "created_at",
+        "world_size",
+        "library",
+        "checksum",
+        "shards",
+        "tensors",
+        "tree",
+        "metrics",
+        "tags",
+        "metadata",
+        "stats",
+    }
+)
+_SHARD_FIELDS = frozenset({"file", "rank", "size"})
+_TENSOR_FIELDS = frozenset({"dtype", "shape", "shard", "offset", "nbytes", "crc32c"})
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    """One shard file of a checkpoint."""
+
+    file: str
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """Where one tensor's bytes live and how to check them."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: int
+    offset: int
+    nbytes: int
+    crc32c: tuple[str, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def utc_now_rfc3339() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest (or one being built by a writer)."""
+
+    step: int
+    shards: tuple[ShardInfo, ...]
+    tensors: Mapping[str, TensorEntry]
+    tree: Any
+    world_size: int = 1
+    chunk_bytes: int = MAX_CHUNK_BYTES
+    created_at: str = field(default_factory=utc_now_rfc3339)
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    tags: tuple[str, ...] = ()
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    stats: Mapping[str, Any] = field(default_factory=dict)
+    format_version: str = FORMAT_VERSION_STR
+    library: Mapping[str, Any] = field(default_factory=lambda: {"name": "tiersave", "version": __version__})
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data (without alignment padding)."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of shard files, padding included."""
+        return sum(s.size for s in self.shards)
+
+    def to_json(self) -> bytes:
+        """Serialize; the result parses back to an equal manifest."""
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "step": self.step,
+            "created_at": self.created_at,
+            "world_size": self.world_size,
+            "library": dict(self.library),
+            "checksum": {"algorithm": ALGORITHM, "chunk_bytes": self.chunk_bytes},
+            "shards": [{"file": s.file, "rank": s.rank, "size": s.size} for s in self.shards],
+            "tensors": {
+                name: {
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "shard": t.shard,
+                    "offset": t.offset,
+                    "nbytes": t.nbytes,
+                    "crc32c": list(t.crc32c),
+                }
+                for name, t in self.tensors.items()
+            },
+            "tree": self.tree,
+            "metrics": dict(self.metrics),
+            "tags": list(self.tags),
+            "metadata": dict(self.metadata),
+            "stats": dict(self.stats),
+        }
+        data = dumps_canonical(doc)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise FormatError(
+                f"manifest of step {self.step} would be {len(data)} bytes, over the "
+                f"{MAX_MANIFEST_BYTES}-byte limit; keep large values in tensors, not in metadata"
+            )
+        return data
+
+    def validate(self, *, path: str = "") -> None:
+        """Run the structural checks of docs/format.md 4.2 (steps 4-8) on this manifest."""
+        _Checker(path or f"step {self.step}").check_manifest(self)
+
+    @classmethod
+    def parse(cls, data: bytes, *, path: str, expect_step: int | None = None) -> Manifest:
+        """Parse and fully validate manifest bytes read from ``path``.
+
+        Raises:
+            FormatError: not a valid v1 manifest.
+            UnsupportedFormatVersionError: a major version this reader does not know.
+            CorruptCheckpointError: the manifest contradicts where it was found (``expect_step``).
+        """
+        doc = loads_strict(data, what=path, max_bytes=MAX_MANIFEST_BYTES)
+        manifest = _Checker(path).build(doc)
+        if expect_step is not None and manifest.step != expect_step:
+            raise CorruptCheckpointError(
+                f"{path}: manifest says step {manifest.step} but was found as step {expect_step}",
+                path=path,
+                step=expect_step,
+                file="manifest.json",
+            )
+        return manifest
+
+
+class _Checker:
+    """Validation with messages that name the manifest and the field."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.strict_fields = True
+
+    def fail(self, message: str) -> FormatError:
+        return FormatError(f"{self.path}: {message}", path=self.path)
+
+    def int_field(self, value: Any, what: str, *, lo: int = 0, hi: int = _MAX_INT) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fail(f"{what} must be an integer, got {type(value).__name__}")
+        if not lo <= value <= hi:
+            raise self.fail(f"{what} = {value} is out of range [{lo}, {hi}]")
+        return value
+
+    def fields(self, obj: Any, allowed: frozenset[str], required: frozenset[str], what: str) -> dict[str, Any]:
+        if not isinstance(obj, dict):
+            raise self.fail(f"{what} must be an object")
+        missing = required - obj.keys()
+        if missing:
+            raise self.fail(f"{what} lacks field(s) {', '.join(sorted(missing))}")
+        unknown = obj.keys() - allowed
+        if unknown and self.strict_fields:
+            raise self.fail(f"{what} has unknown field(s) {', '.join(sorted(unknown))}")
+        return obj
+
+    def version(self, doc: dict[str, Any]) -> str:
+        if doc.get("format") != FORMAT_NAME:
+            raise self.fail(f"not a tiersave manifest (format = {doc.get('format')!r})")
+        version = doc.get("format_version")
+        m = _VERSION_RE.match(version) if isinstance(version, str) else None
+        if m is None:
+            raise self.fail(f"format_version {version!r} is not MAJOR.MINOR")
+        major, minor = int(m.group(1)), int(m.group(2))
+        if major != FORMAT_VERSION[0]:
+            raise UnsupportedFormatVersionError(
+                f"{self.path}: written with format version {version}; this tiersave ({__version__}) "
+                f"reads {FORMAT_VERSION[0]}.x only. "
+                + ("Upgrade tiersave to read it." if major > FORMAT_VERSION[0] else ""),
+                path=self.path,
+            )
+        # A newer minor version may add fields we may ignore; an older or equal one may not surprise us.
+        self.strict_fields = minor <= FORMAT_VERSION[1]
+        return m.group(0)
+
+    def build(self, doc: Any) -> Manifest:
+        if not isinstance(doc, dict):
+            raise self.fail("manifest must be a JSON object")
+        version = self.version(doc)
+        self.fields(doc, _TOP_FIELDS, _TOP_FIELDS - {"stats", "metadata"}, "manifest")
+        step = self.int_field(doc["step"], "step", hi=MAX_STEP)
+        created_at = doc["created_at"]
+        if not isinstance(created_at, str) or len(created_at) > 64:
+            raise self.fail("created_at must be a short string")
+        checksum = self.fields(
+            doc["checksum"],
+            frozenset({"algorithm", "chunk_bytes"}),
+            frozenset({"algorithm", "chunk_bytes"}),
+            "checksum",
+        )
+        if checksum["algorithm"] != ALGORITHM:
+            raise self.fail(f"checksum algorithm {checksum['algorithm']!r} is not supported (only crc32c)")
+        chunk_bytes = self.int_field(checksum["chunk_bytes"], "checksum.chunk_bytes", lo=ALIGN, hi=MAX_CHUNK_BYTES)
+        if chunk_bytes % ALIGN:
+            raise self.fail(f"checksum.chunk_bytes {chunk_bytes} is not a multiple of {ALIGN}")
+        world_size = self.int_field(doc["world_size"], "world_size", lo=1, hi=1 << 24)
+        library = doc["library"]
+        if not isinstance(library, dict):
+            raise self.fail("library must be an object")
+
+        if not isinstance(doc["shards"], list):
+            raise self.fail("shards must be an array")
+        shards = []
+        for i, raw in enumerate(doc["shards"]):
+            s = self.fields(raw, _SHARD_FIELDS, _SHARD_FIELDS, f"shards[{i}]")
+            file = s["file"]
+            if not isinstance(file, str) or not is_safe_file(file):
+                raise self.fail(f"shards[{i}].file {file!r} is not a safe relative name")
+            rank = self.int_field(s["rank"], f"shards[{i}].rank", hi=world_size - 1)
+            size = self.int_field(s["size"], f"shards[{i}].size")
+            shards.append(ShardInfo(file, rank, size))
+
+        if not isinstance(doc["tensors"], dict):
+            raise self.fail("tensors must be an object")
+        tensors: dict[str, TensorEntry] = {}
+        for name, raw in doc["tensors"].items():
+            tensors[name] = self.tensor(name, raw, len(shards), chunk_bytes)
+
+        metrics = doc["metrics"]
+        if not isinstance(metrics, dict) or not all(is_finite_number(v) for v in metrics.values()):
+            raise self.fail("metrics must map names to finite numbers")
+        tags = doc["tags"]
+        if not isinstance(tags, list) or not all(isinstance(t, str) and is_valid_tag(t) for t in tags):
+            raise self.fail("tags must be an array of names matching [A-Za-z0-9][A-Za-z0-9._-]*")
+        if len(set(tags)) != len(tags):
+            raise self.fail("tags must be unique")
+        metadata = doc.get("metadata", {})
+        stats = doc.get("stats", {})
+        if not isinstance(metadata, dict) or not isinstance(stats, dict):
+            raise self.fail("metadata and stats must be objects")
+
+        manifest = Manifest(
+            step=step,
+            shards=tuple(shards),
+            tensors=tensors,
+            tree=doc["tree"],
+            world_size=world_size,
+            chunk_bytes=chunk_bytes,
+            created_at=created_at,
+            metrics=metrics,
+            tags=tuple(tags),
+            metadata=metadata,
+            stats=stats,
+            format_version=version,
+            library=library,
+        )
+        self.check_manifest(manifest)
+        return manifest
+
+    def tensor(self, name: str, raw: Any, nshards: int, chunk_bytes: int) -> TensorEntry:
+        if not name or len(name) > _MAX_NAME or "\x00" in name:
+            raise self.fail(f"tensor name {name[:80]!r} is empty, too long or contains NUL")
+        what = f"tensor {name!r}"
+        t = self.fields(raw, _TENSOR_FIELDS, _TENSOR_FIELDS, what)
+        dtype = t["dtype"]
+        info = lookup(dtype) if isinstance(dtype, str) else None
+        if info is None:
+            raise self.fail(f"{what} has unknown dtype {dtype!r}")
+        shape = t["shape"]
+        if not isinstance(shape, list) or len(shape) > _MAX_NDIM:
+            raise self.fail(f"{what} shape must be an array of at most {_MAX_NDIM} dimensions")
+        dims = tuple(self.int_field(d, f"{what} shape[{i}]") for i, d in enumerate(shape))
+        shard = self.int_field(t["shard"], f"{what} shard", hi=max(nshards - 1, 0))
+        if nshards == 0:
+            raise self.fail(f"{what} refers to shard {shard} but there are no shards")
+        offset = self.int_field(t["offset"], f"{what} offset")
+        nbytes = self.int_field(t["nbytes"], f"{what} nbytes")
+        expected = math.prod(dims) * info.itemsize  # exact integers: no overflow possible
+        if expected != nbytes:
+            raise self.fail(f"{what} nbytes {nbytes} != {expected} implied by shape {list(dims)} and {dtype}")
+        crcs = t["crc32c"]
+        if not isinstance(crcs, list) or not all(isinstance(c, str) and _HEX8.match(c) for c in crcs):
+            raise self.fail(f"{what} crc32c must be an array of 8-hex-digit strings")
+        if len(crcs) != chunk_count(nbytes, chunk_bytes):
+            raise self.fail(f"{what} has {len(crcs)} checksums for {chunk_count(nbytes, chunk_bytes)} chunks")
+        return TensorEntry(name, dtype, dims, shard, offset, nbytes, tuple(crcs))
+
+    def check_manifest(self, m: Manifest) -> None:
+        files = [s.file for s in m.shards]
+        if len(set(files)) != len(files):
+            raise self.fail("two shards name the same file")
+        for i, s in enumerate(m.shards):
+            if s.size % ALIGN:
+                raise self.fail(f"shards[{i}] size {s.size} is not a multiple of {ALIGN}")
+        by_shard: dict[int, list[tuple[int, int, str]]] = {}
+        for t in m.tensors.values():
+            if t.offset % ALIGN:
+                raise self.fail(f"tensor {t.name!r} offset {t.offset} is not {ALIGN}-aligned")
+            if t.shard >= len(m.shards):
+                raise self.fail(f"tensor {t.name!r} refers to missing shard {t.shard}")
+            size = m.shards[t.shard].size
+            if t.offset + t.nbytes > size:
+                raise self.fail(
+                    f"tensor {t.name!r} range [{t.offset}, {t.offset + t.nbytes}) exceeds shard "
+                    f"{m.shards[t.shard].file} of {size} bytes"
+                )
+            if t.nbytes:
+                by_shard.setdefault(t.shard, []).append((t.offset, t.offset + t.nbytes, t.name))
+        for ranges in by_shard.values():
+            ranges.sort()
+            for (_, end, a), (start, _, b) in itertools.pairwise(ranges):
+                if start < end:
+                    raise self.fail(f"tensors {a!r} and {b!r} overlap in their shard")
+        try:
+            validate_tree(m.tree, set(m.tensors))
+        except FormatError as exc:
+            raise self.fail(str(exc)) from None

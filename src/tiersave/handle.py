@@ -1,0 +1,128 @@
+"""``SaveHandle``: what ``save()`` returns, and how a save's outcome (or failure) reaches the caller.
+
+A handle has two moments: *staged* (the state has been captured; the training loop may change its
+tensors) and *durable* (the checkpoint is committed; ``result()`` returns its info). A synchronous save
+returns a handle that is already both. A failure is stored on the handle and re-raised by ``result()``;
+the Checkpointer also re-raises an unobserved failure at the next ``save()``, so a lost save is never
+silent.
+
+Thread safety: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+from .catalog import CheckpointInfo
+from .errors import SaveTimeoutError
+
+
+@dataclass
+class SaveStats:
+    """Timings and sizes of one save, in seconds and bytes."""
+
+    step: int
+    blocked_s: float = 0.0
+    flatten_s: float = 0.0
+    write_s: float = 0.0
+    commit_s: float = 0.0
+    total_s: float = 0.0
+    tensor_bytes: int = 0
+    stored_bytes: int = 0
+    num_tensors: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def write_gbps(self) -> float:
+        return self.stored_bytes / self.write_s / 1e9 if self.write_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "blocked_s": round(self.blocked_s, 6),
+            "flatten_s": round(self.flatten_s, 6),
+            "write_s": round(self.write_s, 6),
+            "commit_s": round(self.commit_s, 6),
+            "total_s": round(self.total_s, 6),
+            "tensor_bytes": self.tensor_bytes,
+            "stored_bytes": self.stored_bytes,
+            "num_tensors": self.num_tensors,
+            "write_gbps": round(self.write_gbps, 4),
+            **self.extra,
+        }
+
+
+class SaveHandle:
+    """The outcome of one ``save()``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.stats = SaveStats(step)
+        self._staged = threading.Event()
+        self._future: Future[CheckpointInfo] = Future()
+        self._observed = False
+
+    # -- producer side (the Checkpointer) ---------------------------------------------------------
+
+    def _set_staged(self) -> None:
+        self._staged.set()
+
+    def _set_result(self, info: CheckpointInfo) -> None:
+        self._staged.set()
+        self._future.set_result(info)
+
+    def _set_error(self, exc: BaseException) -> None:
+        self._staged.set()
+        self._future.set_exception(exc)
+
+    # -- consumer side ----------------------------------------------------------------------------
+
+    def staged(self) -> bool:
+        """True once the state is captured and the caller may modify its tensors."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        return self._staged.wait(timeout)
+
+    def done(self) -> bool:
+        """True once the save is committed or has failed."""
+        return self._future.done()
+
+    def failed(self) -> bool:
+        return self._future.done() and self._future.exception() is not None
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo:
+        """Wait until the checkpoint is durable and return its info; re-raise the save's error.
+
+        Raises:
+            SaveTimeoutError: ``timeout`` seconds passed first (the save goes on).
+            TiersaveError: the save failed; nothing of it became visible.
+        """
+        try:
+            info = self._future.result(timeout)
+        except FutureTimeout:
+            raise SaveTimeoutError(f"save of step {self.step} not finished after {timeout} s") from None
+        except BaseException:
+            self._observed = True
+            raise
+        self._observed = True
+        return info
+
+    def exception(self) -> BaseException | None:
+        """The save's error once done (marks it observed), else None."""
+        if not self._future.done():
+            return None
+        self._observed = True
+        return self._future.exception()
+
+    def _unobserved_error(self) -> BaseException | None:
+        if self._future.done() and not self._observed:
+            return self._future.exception()
+        return None
+
+    def __repr__(self) -> str:
+        state = "failed" if self.failed() else ("durable" if self.done() else "in progress")
+        return f"<SaveHandle step={self.step} {state}>"

@@ -1,0 +1,65 @@
+"""Tunables read from ``TIERSAVE_*`` environment variables, with overrides for tests.
+
+Convention (as torchsnapshot's knobs.py): each knob is a function returning the current value (the
+environment variable if set and valid, else the default) and an ``override_*`` context manager. Values
+are read at call time, so a knob set after import still applies. Invalid values raise ``ConfigError``
+naming the variable rather than being ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from .errors import ConfigError
+
+_IO_THREADS = "TIERSAVE_IO_THREADS"
+_CHUNK_BYTES = "TIERSAVE_CHUNK_BYTES"
+
+
+def _int_env(name: str, default: int, lo: int, hi: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}={value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def io_threads() -> int:
+    """Threads that read and write shard chunks in parallel (``TIERSAVE_IO_THREADS``)."""
+    return _int_env(_IO_THREADS, min(8, max(2, 2 * (os.cpu_count() or 1))), 1, 256)
+
+
+def chunk_bytes() -> int:
+    """Checksum and I/O chunk size in bytes (``TIERSAVE_CHUNK_BYTES``), a multiple of 4096, <= 64 MiB."""
+    value = _int_env(_CHUNK_BYTES, 64 << 20, 4096, 64 << 20)
+    if value % 4096:
+        raise ConfigError(f"{_CHUNK_BYTES}={value} is not a multiple of 4096")
+    return value
+
+
+@contextlib.contextmanager
+def _override(name: str, value: object) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def override_io_threads(value: int) -> contextlib.AbstractContextManager[None]:
+    return _override(_IO_THREADS, value)
+
+
+def override_chunk_bytes(value: int) -> contextlib.AbstractContextManager[None]:
+    return _override(_CHUNK_BYTES, value)

@@ -1,0 +1,441 @@
+"""Flatten a training state into tensors plus a JSON tree, and rebuild it (docs/format.md section 5).
+
+Scope: the mapping between Python/torch/numpy objects and the format's tree and tensor table; finding,
+for a restore into an existing state, which live tensors each stored tensor should land in; and applying
+a restored tree to that state (``load_state_dict``, in-place dict/list updates).
+Anti-scope: I/O, checksums, staging buffers.
+
+Supported values: dict (any hashable scalar keys), list, tuple, None, bool, int, float (incl. NaN/inf),
+str, bytes, torch tensors of every dtype with a byte view (non-contiguous, views, 0-d and empty ones
+included), numpy arrays and scalars of numeric dtypes, ``torch.dtype``, and any object with
+``state_dict()`` and ``load_state_dict()`` (models, optimizers, schedulers, data-loader state, RNGState).
+Anything else raises :class:`UnsupportedStateError` naming its path. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import StateMismatchError, UnsupportedStateError
+from .format import tree as T
+from .format.dtypes import NUMPY_TO_NAME, lookup
+
+# ---------------------------------------------------------------------------------------------------
+# dtypes
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if lookup(name) is None:
+        raise UnsupportedStateError(f"tensor dtype {dtype} cannot be stored (quantized dtypes are not supported)")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise UnsupportedStateError(f"this torch ({torch.__version__}) has no dtype {name!r}")
+    return value
+
+
+def is_stateful(obj: Any) -> bool:
+    """An object saved through its ``state_dict()`` and restored through ``load_state_dict()``."""
+    return (
+        not isinstance(obj, (dict, list, tuple, torch.Tensor, np.ndarray))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def tensor_byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU, contiguous tensor as a flat ``memoryview`` sharing its memory."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return t.detach().reshape(-1).view(torch.uint8).numpy().data
+
+
+def ndarray_byte_view(a: np.ndarray) -> memoryview:
+    if a.size == 0:
+        return memoryview(b"")
+    return a.reshape(-1).view(np.uint8).data
+
+
+# ---------------------------------------------------------------------------------------------------
+# save: state -> tree + tensor table
+
+
+@dataclass
+class FlatTensor:
+    """One unique tensor of a flattened state (tensors sharing memory appear once)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    source: torch.Tensor | np.ndarray
+
+    def cpu_bytes(self) -> memoryview:
+        """Contiguous CPU bytes (copies only for non-contiguous or non-CPU sources)."""
+        src = self.source
+        if isinstance(src, np.ndarray):
+            return ndarray_byte_view(np.ascontiguousarray(src))
+        t = src.detach()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        return tensor_byte_view(t.contiguous())
+
+
+@dataclass
+class FlatState:
+    tree: Any
+    tensors: list[FlatTensor] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _path_join(path: str, key: Any) -> str:
+    part = key if isinstance(key, str) else str(key)
+    return f"{path}.{part}" if path else part
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.tensors: list[FlatTensor] = []
+        self._by_identity: dict[tuple[Any, ...], str] = {}
+        self._names: set[str] = set()
+        self._active: set[int] = set()  # containers on the current path, to reject cycles
+
+    def _unique_name(self, path: str) -> str:
+        name = path or "tensor"
+        if name in self._names:
+            n = 2
+            while f"{name}#{n}" in self._names:
+                n += 1
+            name = f"{name}#{n}"
+        self._names.add(name)
+        return name
+
+    def _add(self, key: tuple[Any, ...], path: str, make: Callable[[str], FlatTensor]) -> str:
+        existing = self._by_identity.get(key)
+        if existing is not None:
+            return existing
+        flat = make(self._unique_name(path))
+        self.tensors.append(flat)
+        self._by_identity[key] = flat.name
+        return flat.name
+
+    def tensor(self, t: torch.Tensor, path: str) -> str:
+        if t.layout != torch.strided:
+            raise UnsupportedStateError(
+                f"{path or 'state'}: {t.layout} tensors are not supported; convert with .to_dense()",
+                path=path,
+            )
+        if t.is_quantized:
+            raise UnsupportedStateError(
+                f"{path or 'state'}: quantized tensors are not supported; save int_repr(), scale and zero point",
+                path=path,
+            )
+        if t.device.type == "meta":
+            raise UnsupportedStateError(f"{path or 'state'}: a meta tensor has no data to save", path=path)
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise UnsupportedStateError(
+                f"{path or 'state'}: tensor subclass {type(t).__name__} is not supported", path=path
+            )
+        dtype = torch_dtype_name(t.dtype)
+        shape = tuple(int(s) for s in t.shape)
+        nbytes = math.prod(shape) * t.element_size()
+        key = (
+            "t",
+            t.device.type,
+            t.device.index,
+            t.untyped_storage().data_ptr() if nbytes else 0,
+            t.storage_offset(),
+            shape,
+            tuple(t.stride()),
+            dtype,
+            t.is_conj(),
+            t.is_neg(),
+        )
+        return self._add(key, path, lambda name: FlatTensor(name, dtype, shape, nbytes, t))
+
+    def ndarray(self, a: np.ndarray, path: str) -> str:
+        name_of = NUMPY_TO_NAME.get(a.dtype.name)
+        if name_of is None or a.dtype.kind not in "biufc":
+            raise UnsupportedStateError(
+                f"{path or 'state'}: numpy dtype {a.dtype} is not supported (numeric dtypes only)", path=path
+            )
+        if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and np.little_endian is False):
+            a = a.astype(a.dtype.newbyteorder("<"))
+        shape = tuple(int(s) for s in a.shape)
+        key = ("n", a.__array_interface__["data"][0], shape, a.strides, name_of)
+        return self._add(key, path, lambda name: FlatTensor(name, name_of, shape, a.nbytes, a))
+
+    def encode(self, obj: Any, path: str) -> Any:
+        if obj is None or (isinstance(obj, (bool, str)) and type(obj) in (bool, str)):
+            return obj
+        if isinstance(obj, np.generic):
+            return self._npscalar(obj, path)
+        if type(obj) is int:
+            return obj
+        if type(obj) is float:
+            return T.encode_float(obj)
+        if isinstance(obj, torch.Tensor):
+            return {T.T_TENSOR: self.tensor(obj, path)}
+        if isinstance(obj, np.ndarray):
+            return {T.T_NDARRAY: self.ndarray(obj, path)}
+        if isinstance(obj, torch.dtype):
+            return {T.T_DTYPE: torch_dtype_name(obj)}
+        if isinstance(obj, (bytes, bytearray)):
+            return T.encode_bytes(bytes(obj))
+        if isinstance(obj, (dict, list, tuple)):
+            if id(obj) in self._active:
+                raise UnsupportedStateError(f"{path or 'state'}: the state contains a cycle", path=path)
+            self._active.add(id(obj))
+            try:
+                return self._container(obj, path)
+            finally:
+                self._active.discard(id(obj))
+        if is_stateful(obj):
+            state = obj.state_dict()
+            kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+            return {T.T_STATEFUL: {"type": kind[:256], "state": self.encode(state, path)}}
+        raise UnsupportedStateError(
+            f"{path or 'state'}: cannot save an object of type {type(obj).__module__}.{type(obj).__qualname__}; "
+            "give it state_dict()/load_state_dict(), or convert it to tensors, numbers, strings, lists or dicts",
+            path=path,
+        )
+
+    def _npscalar(self, obj: np.generic, path: str) -> Any:
+        name = NUMPY_TO_NAME.get(obj.dtype.name)
+        if name is None or obj.dtype.kind not in "biufc":
+            raise UnsupportedStateError(
+                f"{path or 'state'}: numpy scalar of dtype {obj.dtype} is not supported", path=path
+            )
+        raw = np.asarray(obj).astype(obj.dtype.newbyteorder("<")).tobytes()
+        return {T.T_NPSCALAR: {"dtype": name, "hex": raw.hex()}}
+
+    def _container(self, obj: dict[Any, Any] | list[Any] | tuple[Any, ...], path: str) -> Any:
+        if isinstance(obj, dict):
+            metadata = getattr(obj, "_metadata", None)
+            if all(type(k) is str for k in obj):
+                encoded: Any = {T.escape_key(k): self.encode(v, _path_join(path, k)) for k, v in obj.items()}
+            else:
+                pairs = []
+                for k, v in obj.items():
+                    self._check_key(k, path)
+                    pairs.append([self.encode(k, path), self.encode(v, _path_join(path, k))])
+                encoded = {T.T_DICT: pairs}
+            if metadata is not None:
+                return {T.T_STATEDICT: {"entries": encoded, "metadata": self.encode(metadata, path)}}
+            return encoded
+        items = [self.encode(v, _path_join(path, i)) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else {T.T_TUPLE: items}
+
+    def _check_key(self, key: Any, path: str) -> None:
+        if isinstance(key, tuple):
+            for k in key:
+                self._check_key(k, path)
+        elif not (key is None or type(key) in (bool, int, float, str)):
+            raise UnsupportedStateError(
+                f"{path or 'state'}: dict key {key!r} of type {type(key).__name__} cannot be saved "
+                "(keys must be None, bool, int, float, str or tuples of those)",
+                path=path,
+            )
+
+
+def flatten(state: Any) -> FlatState:
+    """Encode ``state`` as a JSON tree plus the list of unique tensors it references."""
+    f = _Flattener()
+    tree = f.encode(state, "")
+    return FlatState(tree, f.tensors)
+
+
+# ---------------------------------------------------------------------------------------------------
+# restore: plan destinations, then build the tree
+
+
+@dataclass
+class _Ref:
+    """Placeholder for a stored tensor while matching a saved tree against a live state."""
+
+    name: str
+    kind: str  # "tensor" or "ndarray"
+
+
+@dataclass
+class _StatefulNode:
+    type_name: str
+    state: Any
+
+
+class _PlaceholderHooks:
+    def tensor(self, name: str, path: str) -> Any:
+        return _Ref(name, "tensor")
+
+    def ndarray(self, name: str, path: str) -> Any:
+        return _Ref(name, "ndarray")
+
+    def npscalar(self, dtype: str, raw: bytes, path: str) -> Any:
+        return np.frombuffer(raw, dtype=np.dtype(lookup(dtype).numpy).newbyteorder("<"))[0]  # type: ignore[union-attr, arg-type]
+
+    def dtype(self, name: str, path: str) -> Any:
+        return torch_dtype(name)
+
+    def stateful(self, type_name: str, state: Any, path: str) -> Any:
+        return _StatefulNode(type_name, state)
+
+    def statedict(self, entries: dict[Any, Any], metadata: Any, path: str) -> Any:
+        from collections import OrderedDict
+
+        out: OrderedDict[Any, Any] = OrderedDict(entries)
+        out._metadata = metadata  # type: ignore[attr-defined]
+        return out
+
+
+def decode_placeholders(tree: Any) -> Any:
+    """Decode a manifest tree with tensors left as placeholders (to be matched, then filled)."""
+    return T.TreeDecoder(_PlaceholderHooks()).decode(tree)
+
+
+@dataclass
+class Target:
+    """A live tensor (or array) a stored tensor should be restored into."""
+
+    value: torch.Tensor | np.ndarray
+    path: str
+    strict: bool  # True: a mismatch is an error; False (inside a stateful object): load_state_dict decides
+
+
+def match_targets(saved: Any, into: Any, *, strict: bool = True) -> dict[str, list[Target]]:
+    """Find, for each stored tensor name, the live tensors in ``into`` at the same place.
+
+    A stateful object in ``into`` is matched through its current ``state_dict()``, whose tensors alias
+    the live parameters and optimizer state, so the bytes land in place.
+
+    Raises:
+        StateMismatchError: ``into`` has keys the checkpoint lacks (when ``strict``).
+    """
+    targets: dict[str, list[Target]] = {}
+
+    def walk(s: Any, live: Any, path: str, in_stateful: bool) -> None:
+        if is_stateful(live):
+            walk(s.state if isinstance(s, _StatefulNode) else s, live.state_dict(), path, True)
+            return
+        if isinstance(s, _StatefulNode):
+            walk(s.state, live, path, in_stateful)
+            return
+        if isinstance(s, _Ref):
+            if isinstance(live, (torch.Tensor, np.ndarray)):
+                targets.setdefault(s.name, []).append(Target(live, path, not in_stateful))
+            return
+        if isinstance(s, dict) and isinstance(live, dict):
+            if strict and not in_stateful:
+                missing = [k for k in live if k not in s]
+                if missing:
+                    raise StateMismatchError(
+                        f"the checkpoint has no {', '.join(repr(_path_join(path, k)) for k in missing[:5])}"
+                        + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+                        + "; pass strict=False to restore the rest"
+                    )
+            for k, v in s.items():
+                if k in live:
+                    walk(v, live[k], _path_join(path, k), in_stateful)
+            return
+        if isinstance(s, (list, tuple)) and isinstance(live, (list, tuple)):
+            for i, (sv, lv) in enumerate(zip(s, live)):
+                walk(sv, lv, _path_join(path, i), in_stateful)
+
+    walk(saved, into, "", False)
+    return targets
+
+
+def fits(target: torch.Tensor | np.ndarray, dtype: str, shape: tuple[int, ...]) -> bool:
+    if isinstance(target, torch.Tensor):
+        return str(target.dtype).removeprefix("torch.") == dtype and tuple(target.shape) == shape
+    return NUMPY_TO_NAME.get(target.dtype.name) == dtype and tuple(target.shape) == shape
+
+
+def readable_in_place(target: torch.Tensor | np.ndarray) -> bool:
+    """True when bytes can be read straight into ``target``'s memory."""
+    if isinstance(target, np.ndarray):
+        return bool(target.flags.c_contiguous and target.flags.writeable and target.dtype.byteorder in "=|<")
+    return (
+        target.device.type == "cpu"
+        and target.is_contiguous()
+        and not target.is_conj()
+        and not target.is_neg()
+        and target.layout == torch.strided
+        and not target.is_quantized
+    )
+
+
+def fill_tree(saved: Any, values: dict[str, Any]) -> Any:
+    """Replace placeholders with restored values; stateful nodes become their plain state."""
+    if isinstance(saved, _Ref):
+        v = values[saved.name]
+        if saved.kind == "ndarray" and isinstance(v, torch.Tensor):
+            return v.numpy()
+        if saved.kind == "tensor" and isinstance(v, np.ndarray):
+            return torch.from_numpy(v)
+        return v
+    if isinstance(saved, _StatefulNode):
+        return fill_tree(saved.state, values)
+    if isinstance(saved, dict):
+        out = type(saved)() if type(saved) is not dict else {}
+        for k, v in saved.items():
+            out[k] = fill_tree(v, values)
+        if hasattr(saved, "_metadata"):
+            out._metadata = saved._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(saved, list):
+        return [fill_tree(v, values) for v in saved]
+    if isinstance(saved, tuple):
+        return tuple(fill_tree(v, values) for v in saved)
+    return saved
+
+
+def apply_into(saved: Any, into: Any, values: dict[str, Any], path: str = "") -> Any:
+    """Load the restored tree into ``into`` in place and return the merged object.
+
+    Stateful objects get ``load_state_dict`` with their restored state (also when the checkpoint holds
+    a plain state dict, e.g. saved from ``model.state_dict()``); dicts and lists are updated in place;
+    tensors already hold their data (they were read or copied into before this runs).
+    """
+    if is_stateful(into) and not isinstance(saved, _Ref):
+        state = fill_tree(saved.state if isinstance(saved, _StatefulNode) else saved, values)
+        try:
+            into.load_state_dict(state)
+        except Exception as exc:  # the object's own validation (shape mismatch, missing keys)
+            raise StateMismatchError(
+                f"{path or 'state'}: {type(into).__name__}.load_state_dict rejected the checkpoint: {exc}"
+            ) from exc
+        return into
+    if isinstance(saved, _Ref):
+        if isinstance(into, (torch.Tensor, np.ndarray)):
+            return into  # filled in place (or copied into) already
+        return fill_tree(saved, values)
+    if isinstance(saved, _StatefulNode):
+        return apply_into(saved.state, into, values, path)
+    if isinstance(saved, dict) and isinstance(into, dict):
+        for k, v in saved.items():
+            into[k] = apply_into(v, into[k], values, _path_join(path, k)) if k in into else fill_tree(v, values)
+        return into
+    if isinstance(saved, list) and isinstance(into, list) and len(saved) == len(into):
+        for i, v in enumerate(saved):
+            into[i] = apply_into(v, into[i], values, _path_join(path, i))
+        return into
+    if isinstance(saved, tuple) and isinstance(into, tuple) and len(saved) == len(into):
+        return tuple(apply_into(v, lv, values, _path_join(path, i)) for i, (v, lv) in enumerate(zip(saved, into)))
+    return fill_tree(saved, values)
