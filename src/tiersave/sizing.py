@@ -286,9 +286,7 @@ class StateComponent:
         if self.role not in _SHARDED_FROM:
             raise ConfigError(f"component {self.name!r}: role must be one of {', '.join(_SHARDED_FROM)}")
         if not (math.isfinite(self.bytes_per_param) and self.bytes_per_param > 0):
-            raise ConfigError(
-                f"component {self.name!r}: bytes per parameter must be > 0, got {self.bytes_per_param}"
-            )
+            raise ConfigError(f"component {self.name!r}: bytes per parameter must be > 0, got {self.bytes_per_param}")
 
     @property
     def sharded_from_zero_stage(self) -> int:
@@ -382,9 +380,7 @@ RECIPES: Mapping[str, Recipe] = {
                 _component("master", "master", "fp32"),
                 *_ADAM,
             ),
-            description=(
-                "bf16-adam-mixed plus bf16 gradients: the 16 bytes/param the ZeRO paper counts in memory"
-            ),
+            description="bf16-adam-mixed plus bf16 gradients: the 16 bytes/param the ZeRO paper counts in memory",
         ),
     )
 }
@@ -420,18 +416,14 @@ def get_recipe(spec: str | Recipe) -> Recipe:
         key, _, value = item.partition("=")
         key = key.strip().lower()
         if key not in _CUSTOM_KEYS or not value.strip():
-            raise ConfigError(
-                f"recipe spec {spec!r}: expected KEY=VALUE with KEY in {', '.join(_CUSTOM_KEYS)}"
-            )
+            raise ConfigError(f"recipe spec {spec!r}: expected KEY=VALUE with KEY in {', '.join(_CUSTOM_KEYS)}")
         if key in seen:
             raise ConfigError(f"recipe spec {spec!r}: {key} given twice")
         seen.add(key)
         if key == "moments":
             for i, part in enumerate(value.split("+"), start=1):
                 dtype, size = _parse_dtype_or_bytes(part, spec)
-                components.append(
-                    StateComponent(name=f"moment{i}", role="moment", dtype=dtype, bytes_per_param=size)
-                )
+                components.append(StateComponent(name=f"moment{i}", role="moment", dtype=dtype, bytes_per_param=size))
         else:
             dtype, size = _parse_dtype_or_bytes(value, spec)
             components.append(StateComponent(name=key, role=key, dtype=dtype, bytes_per_param=size))
@@ -487,9 +479,9 @@ class Parallelism:
         Raises:
             ConfigError: ``tp * pp`` does not divide ``world_size``.
         """
-        _require_positive_int("world_size", world_size)
         _require_positive_int("tp", tp)
         _require_positive_int("pp", pp)
+        _require_positive_int("world_size", world_size)
         if world_size % (tp * pp):
             raise ConfigError(
                 f"tp={tp} x pp={pp} = {tp * pp} does not divide the {world_size} ranks "
@@ -606,9 +598,7 @@ def checkpoint_size(
     if arch is not None:
         assumptions.insert(0, f"model {arch.describe()} -> {params:,} parameters")
         if arch.heads % layout.tp:
-            raise ConfigError(
-                f"tp={layout.tp} does not divide the {arch.heads} attention heads of {arch.name}"
-            )
+            raise ConfigError(f"tp={layout.tp} does not divide the {arch.heads} attention heads of {arch.name}")
         stages = arch.stage_params(layout.pp)
         heaviest = max(stages)
         if layout.pp > 1:
@@ -708,9 +698,7 @@ def measure_state(state: object) -> MeasuredState:
         if key not in seen:
             seen.add(key)
             unique += nbytes
-    return MeasuredState(
-        tensors=tensors, numel=numel, total_bytes=total, unique_bytes=unique, bytes_by_dtype=by_dtype
-    )
+    return MeasuredState(tensors=tensors, numel=numel, total_bytes=total, unique_bytes=unique, bytes_by_dtype=by_dtype)
 
 
 def _is_tensor(obj: object) -> bool:
@@ -757,9 +745,7 @@ def _describe_leaf(leaf: Any) -> tuple[int, int, str, tuple[Any, ...]]:
         dtype = str(leaf.dtype).removeprefix("torch.")
         address = 0
         if str(getattr(leaf, "device", "")) != "meta":
-            address = int(leaf.untyped_storage().data_ptr()) + int(leaf.storage_offset()) * int(
-                leaf.element_size()
-            )
+            address = int(leaf.untyped_storage().data_ptr()) + int(leaf.storage_offset()) * int(leaf.element_size())
         key: tuple[Any, ...] = ("addr", address, nbytes) if address else ("id", id(leaf))
         return count, nbytes, dtype, key
     count, nbytes = int(leaf.size), int(leaf.nbytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import itertools
 import math
 from collections.abc import Callable
@@ -475,3 +476,11 @@ def test_parse_schedule_forms() -> None:
 def test_parse_schedule_rejects(spec: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_schedule(spec)  # type: ignore[arg-type]
+
+
+def test_docstring_examples_run() -> None:
+    import tiersave.schedule
+
+    result = doctest.testmod(tiersave.schedule)
+    assert result.attempted >= 8
+    assert result.failed == 0

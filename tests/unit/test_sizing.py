@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 
 from tiersave.errors import ConfigError
@@ -22,9 +24,7 @@ from tiersave.sizing import (
 GiB = 2**30
 
 
-def _llama_count(
-    layers: int, hidden: int, ffn: int, heads: int, vocab: int = 128_256, *, tied: bool = False
-) -> int:
+def _llama_count(layers: int, hidden: int, ffn: int, heads: int, vocab: int = 128_256, *, tied: bool = False) -> int:
     """Llama parameter count written out by hand: q and o are h x h, k and v are h x (8 * head_dim)."""
     kv = 8 * (hidden // heads)
     layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
@@ -87,11 +87,7 @@ def test_custom_recipe_spec_equals_preset() -> None:
     custom = get_recipe("weights=bf16, master=fp32, moments=fp32+fp32")
     assert [c.bytes_per_param for c in custom.components] == [2, 4, 4, 4]
     assert [c.role for c in custom.components] == ["weights", "master", "moment", "moment"]
-    assert (
-        checkpoint_size(1000, custom).total_bytes
-        == checkpoint_size(1000, "bf16-adam-mixed").total_bytes
-        == 14_000
-    )
+    assert checkpoint_size(1000, custom).total_bytes == checkpoint_size(1000, "bf16-adam-mixed").total_bytes == 14_000
     eight_bit = get_recipe("weights=2,moments=1+1")
     assert eight_bit.bytes_per_param == 4
     assert get_recipe(" BF16-Adam-Mixed ") is RECIPES["bf16-adam-mixed"]
@@ -203,9 +199,7 @@ def test_every_output_states_its_assumptions() -> None:
     size = checkpoint_size("llama3-70b", "bf16-adam-mixed", Parallelism(tp=8, dp=2, zero_stage=3))
     text = "\n".join(size.assumptions)
     assert "70,553,706,496 parameters" in text
-    assert (
-        "weights (bf16) 2 + master (fp32) 4 + exp_avg (fp32) 4 + exp_avg_sq (fp32) 4 = 14 bytes/param" in text
-    )
+    assert "weights (bf16) 2 + master (fp32) 4 + exp_avg (fp32) 4 + exp_avg_sq (fp32) 4 = 14 bytes/param" in text
     assert "ZeRO-3 (FSDP)" in text
     assert "tensor parallelism splits every parameter 8 ways" in text
 
@@ -227,9 +221,7 @@ def test_parse_bytes_rejects(text: str) -> None:
         parse_bytes(text)
 
 
-@pytest.mark.parametrize(
-    ("text", "value"), [("405B", 405 * 10**9), ("124M", 124 * 10**6), ("70.6e9", 70_600_000_000)]
-)
+@pytest.mark.parametrize(("text", "value"), [("405B", 405 * 10**9), ("124M", 124 * 10**6), ("70.6e9", 70_600_000_000)])
 def test_parse_count(text: str, value: int) -> None:
     assert parse_count(text) == value
 
@@ -325,3 +317,11 @@ def test_measure_real_model_and_optimizer_state(torch) -> None:
     # state_dict tensors share storage with the parameters they came from
     shared = measure_state({"a": model.state_dict(), "b": model.state_dict()})
     assert (shared.total_bytes, shared.unique_bytes) == (120, 60)
+
+
+def test_docstring_examples_run() -> None:
+    import tiersave.sizing
+
+    result = doctest.testmod(tiersave.sizing)
+    assert result.attempted >= 3
+    assert result.failed == 0
