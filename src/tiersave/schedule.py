@@ -685,7 +685,8 @@ class SaveCost:
     Attributes:
         step: the training step saved.
         blocked_s: time ``save()`` blocked the training loop (the cost ``C`` the job pays).
-        drain_s: time until the checkpoint was durable on the slowest tier it was sent to.
+        drain_s: time until the checkpoint was durable on the slowest tier it was sent to (or, when the
+            save is recorded before its own drain ends, that of the latest save whose drain has ended).
         wall_time: the clock reading when the save started, on the clock whose readings the caller passes
             to :meth:`Schedule.due` as ``now`` (``time.monotonic()`` for the Checkpointer).
     """
@@ -708,8 +709,10 @@ class Schedule(Protocol):
     """Decides when the training loop saves.
 
     Call sequence: the Checkpointer calls :meth:`due` (any number of times, with non-decreasing ``now``)
-    and, after every save it makes, :meth:`record` with that save's measured cost. Implementations are
-    not thread-safe: call them from the training loop's thread.
+    and, after every save it makes, :meth:`record` with that save's measured cost, as soon as ``save()``
+    has returned: until then the policy still counts from the previous save and stays due. A save's drain
+    finishes later, so ``SaveCost.drain_s`` may be that of the most recent save whose drain has finished.
+    Implementations are not thread-safe: call them from the training loop's thread.
     """
 
     def due(self, step: int, now: float) -> bool:

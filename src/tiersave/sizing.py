@@ -757,27 +757,33 @@ def _describe_leaf(leaf: Any) -> tuple[int, int, str, tuple[Any, ...]]:
 
 # -------------------------------------------------------------------------------------------- quantities
 
-_SI = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15, "e": 10**18}
-_BIN = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50, "ei": 2**60}
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtpe]i?)?(b|byte|bytes)?\s*(/s)?\s*$")
-_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbt])?\s*$")
-_COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+_NUMBER = r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)"
+_BYTES_RE = re.compile(rf"^\s*{_NUMBER}\s*((?:[kmgtpe]i?)?)(?:b|byte|bytes)?\s*(?:/s)?\s*$")
+_BYTE_UNITS = {
+    **{prefix: 1000**i for i, prefix in enumerate(("", "k", "m", "g", "t", "p", "e"))},
+    **{prefix + "i": 1024**i for i, prefix in enumerate(("", "k", "m", "g", "t", "p", "e")) if prefix},
+}
+_COUNT_RE = re.compile(rf"^\s*{_NUMBER}\s*([kmbt]?)\s*$")
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+
+def _parse_quantity(text: str, pattern: re.Pattern[str], units: Mapping[str, int], what: str, examples: str) -> int:
+    match = pattern.match(text.lower())
+    if match is None:
+        raise ConfigError(f"cannot read {text!r} as {what} (examples: {examples})")
+    value = round(float(match.group(1)) * units[match.group(2)])
+    if value < 1:
+        raise ConfigError(f"{what} must be at least 1, got {text!r}")
+    return value
 
 
 def parse_bytes(text: str) -> int:
     """Parse a byte quantity: ``"5TB"`` (decimal), ``"130GiB"`` (binary), ``"4096"``, ``"13GB/s"``.
 
     Raises:
-        ConfigError: malformed, zero or negative.
+        ConfigError: malformed, or less than one byte.
     """
-    match = _BYTES_RE.match(text.lower())
-    if match is None:
-        raise ConfigError(f"cannot read {text!r} as a byte quantity (examples: 4096, 130GiB, 5TB, 13GB/s)")
-    unit = match.group(2) or ""
-    value = float(match.group(1)) * (_BIN[unit] if unit in _BIN else _SI[unit])
-    if not value >= 1:
-        raise ConfigError(f"byte quantity must be at least 1 byte, got {text!r}")
-    return round(value)
+    return _parse_quantity(text, _BYTES_RE, _BYTE_UNITS, "a byte quantity", "4096, 130GiB, 5TB, 13GB/s")
 
 
 def parse_count(text: str) -> int:
@@ -786,13 +792,7 @@ def parse_count(text: str) -> int:
     Raises:
         ConfigError: malformed, zero or negative.
     """
-    match = _COUNT_RE.match(text.lower())
-    if match is None:
-        raise ConfigError(f"cannot read {text!r} as a parameter count (examples: 124M, 8B, 70.6e9)")
-    value = round(float(match.group(1)) * _COUNT_SUFFIX[match.group(2) or ""])
-    if value <= 0:
-        raise ConfigError(f"parameter count must be positive, got {text!r}")
-    return value
+    return _parse_quantity(text, _COUNT_RE, _COUNT_UNITS, "a parameter count", "124M, 8B, 70.6e9")
 
 
 def format_si_bytes(n: float, suffix: str = "") -> str:

@@ -147,8 +147,8 @@ def test_failure_sources(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "llama4"], "unknown model preset 'llama4'; known presets: llama3.2-1b, llama3-8b"),
         (["--model", "llama3-8b", "--recipe", "adam"], "known recipes: bf16-weights-only"),
         (["--size=-5GB"], "cannot read '-5GB' as a byte quantity"),
-        (["--size", "0"], "at least 1 byte"),
-        (["--params", "0"], "parameter count must be positive"),
+        (["--size", "0"], "a byte quantity must be at least 1"),
+        (["--params", "0"], "a parameter count must be at least 1"),
         (["--cluster-mttf", "0"], "cluster MTTF must be a positive"),
         (["--cluster-mttf=-3h"], "cannot read '-3h' as a duration"),
         (["--model", "llama3-8b", "--accelerators", "12", "--tp", "8"], "tp=8 x pp=1 = 8 does not divide the 12"),
@@ -224,6 +224,11 @@ def test_sweep_needs_a_failure_rate(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "plan", "sweep", "--accelerator-mttf", "5y", "--checkpoint-cost", "1s", "--range", "9:3")
     assert code == 2
     assert "1 <= MIN <= MAX" in err
+    code, _, err = run(capsys, "plan", "sweep", "--cluster-mttf", "2h", "--checkpoint-cost", "1s")
+    assert code == 2
+    assert "give --accelerators for the cluster" in err
+    data = run_json(capsys, "plan", "sweep", "--cluster-mttf", "2h", "--accelerators", "1024", "--period", "5min")
+    assert data["accelerator_mttf_s"] == 2 * 3600 * 1024
 
 
 def test_sweep_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -289,7 +294,9 @@ def test_docs_have_worked_examples() -> None:
     assert any("--checkpoints-per-mttf 20" in cmd for cmd in commands)
 
 
-@pytest.mark.parametrize(("command", "expected"), _console_blocks(), ids=lambda v: v.split(" --")[0][:30])
+@pytest.mark.parametrize(
+    ("command", "expected"), _console_blocks(), ids=[f"example{i}" for i in range(1, len(_console_blocks()) + 1)]
+)
 def test_docs_console_examples_match_the_cli(capsys: pytest.CaptureFixture[str], command: str, expected: str) -> None:
     code, out, err = run(capsys, *shlex.split(command)[1:])
     assert code == 0, err

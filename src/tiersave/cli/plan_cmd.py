@@ -225,6 +225,7 @@ class _Inputs:
                 )
         if failure is not None:
             notes.append(f"failures: {failure.source}; independent and exponentially distributed")
+        if failure is not None and cost_s is not None:
             notes.append(
                 "goodput from Daly's complete model: a failure costs the restart time plus the work since "
                 "the last checkpoint, and may also strike during saves and restarts"
@@ -530,6 +531,11 @@ def _sweep(inputs: _Inputs, args: argparse.Namespace, out: Output) -> int:
         raise ConfigError(
             "a sweep needs a failure rate: --accelerator-mttf, --observed, --component or --cluster-mttf "
             "(with --accelerators, to get the rate per accelerator)"
+        )
+    if args.accelerators is None and (args.cluster_mttf is not None or args.component):
+        raise ConfigError(
+            "a sweep scales the failure rate per accelerator: give --accelerators for the cluster that "
+            "--cluster-mttf or --component describes, or use --accelerator-mttf or --observed"
         )
     counts = _sweep_counts(args.range, args.points)
     rows_json: list[dict[str, Any]] = []
