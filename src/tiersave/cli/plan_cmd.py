@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -81,10 +82,11 @@ def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "plan",
         help="checkpoint size, cluster MTTF, optimal interval and bandwidth needed",
-        description=(
-            "Plan checkpointing for a training job: the size of a checkpoint from a model and a precision "
-            "recipe, the cluster MTTF, Young's and Daly's optimal interval, the expected goodput, and the "
-            "write bandwidth each storage tier needs. Every figure states its assumptions."
+        description=(  # RawDescriptionHelpFormatter keeps the epilog's layout, so wrap by hand
+            "Plan checkpointing for a training job: the size of a checkpoint from a model and a\n"
+            "precision recipe, the cluster MTTF, Young's and Daly's optimal interval, the expected\n"
+            "goodput, and the write bandwidth each storage tier needs. Every figure states its\n"
+            "assumptions. Worked examples and the formulas: docs/planning.md."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -444,8 +446,8 @@ def _mttf(seconds: float) -> str:
     return f"{text} ({seconds / 3600:,.0f} h)" if seconds >= 3 * SECONDS_PER_DAY else text
 
 
-def _maybe(value: float | None, fmt: Any = format_duration) -> str:
-    return "-" if value is None else str(fmt(value))
+def _maybe(value: float | None, fmt: Callable[[float], str] = format_duration) -> str:
+    return "-" if value is None else fmt(value)
 
 
 def _interval_text(plan: IntervalPlan) -> str:
