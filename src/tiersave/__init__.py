@@ -4,10 +4,8 @@ The public API is re-exported here and locked by ``tests/unit/test_public_api.py
 loaded lazily (PEP 562) so that ``import tiersave`` and the CLI start without importing torch.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
 from ._version import __version__
 from .errors import (
@@ -44,7 +42,7 @@ _LAZY: dict[str, str] = {
     "RNGState": ".rng",
 }
 
-if TYPE_CHECKING:  # pragma: no cover
+if _typing.TYPE_CHECKING:  # pragma: no cover
     from .catalog import CheckpointInfo, VerifyReport  # noqa: F401
     from .checkpointer import Checkpointer, RestoreReport  # noqa: F401
     from .handle import SaveHandle, SaveStats  # noqa: F401
@@ -76,11 +74,11 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tiersave' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(_importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value
 

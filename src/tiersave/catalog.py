@@ -245,6 +245,12 @@ class Catalog:
             self._cache[step] = manifest
         return manifest
 
+    def remember(self, manifest: Manifest) -> CheckpointInfo:
+        """Cache the manifest of a checkpoint this process just committed, and return its info."""
+        with self._lock:
+            self._cache[manifest.step] = manifest
+        return CheckpointInfo.from_manifest(manifest, self.location(manifest.step))
+
     def info(self, step: int) -> CheckpointInfo:
         return CheckpointInfo.from_manifest(self.manifest(step), self.location(step))
 

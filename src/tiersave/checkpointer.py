@@ -53,6 +53,7 @@ from .format.manifest import Manifest, ShardInfo, TensorEntry
 from .handle import SaveHandle
 from .state import (
     apply_into,
+    as_bits,
     decode_placeholders,
     fill_tree,
     fits,
@@ -279,7 +280,7 @@ class Checkpointer:
             handle._observed = True  # raised right here, to the caller
             raise
         stats.total_s = stats.blocked_s = time.perf_counter() - t0
-        info = self.catalog.info(step)
+        info = self.catalog.remember(manifest)  # committed: describe it from memory, no read-back
         handle._set_result(info)
         if self.keep_last is not None:
             self._retain(self.keep_last)
@@ -448,7 +449,7 @@ def _copy_into(target: torch.Tensor | np.ndarray, src: torch.Tensor | np.ndarray
         return
     source = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
     with torch.no_grad():
-        target.copy_(source, non_blocking=target.device.type == "cuda")
+        as_bits(target).copy_(as_bits(source), non_blocking=target.device.type == "cuda")
 
 
 def _describe(value: torch.Tensor | np.ndarray) -> str:

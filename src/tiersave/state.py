@@ -53,6 +53,19 @@ def is_stateful(obj: Any) -> bool:
     )
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as a same-width integer tensor (same memory, same strides).
+
+    Copies go through this view: several dtypes (``int1``.., ``bits8``, some float8) have no copy kernel,
+    but every integer dtype does, and a bit-for-bit copy is what a checkpoint needs anyway.
+    """
+    bits = _BITS.get(t.element_size())
+    return t if bits is None or t.dtype == bits else t.view(bits)
+
+
 def tensor_byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU, contiguous tensor as a flat ``memoryview`` sharing its memory."""
     if t.numel() == 0:
@@ -90,6 +103,7 @@ class FlatTensor:
             t = t.resolve_conj()
         if t.is_neg():
             t = t.resolve_neg()
+        t = as_bits(t)
         if t.device.type != "cpu":
             t = t.to("cpu")
         return tensor_byte_view(t.contiguous())

@@ -66,4 +66,4 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
     sep = "  ".join("-" * w for w in widths)
     body = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    return "\n".join([line, sep, *body])
+    return "\n".join(row.rstrip() for row in [line, sep, *body])

@@ -27,10 +27,15 @@ def emit(**event: Any) -> None:
     sys.stdout.flush()
 
 
-def params_digest(model: torch.nn.Module) -> str:
-    """CRC-32C over every parameter's bytes: equal digests mean bit-identical weights."""
-    parts = [crc32c_hex(tensor_byte_view(p.detach().contiguous())) for p in model.parameters()]
+def digest(tensors: list[torch.Tensor]) -> str:
+    """CRC-32C over the tensors' bytes: equal digests mean bit-identical values."""
+    parts = [crc32c_hex(tensor_byte_view(t.detach().contiguous())) for t in tensors]
     return crc32c_hex("".join(parts).encode())
+
+
+def optimizer_tensors(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    state = optim.state_dict()["state"]
+    return [v for k in sorted(state) for _, v in sorted(state[k].items()) if isinstance(v, torch.Tensor)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--stop-after", type=int, help="exit cleanly after this step (a planned interruption)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)  # one thread per worker: two workers share the two cores, results stay exact
@@ -95,7 +101,15 @@ def main(argv: list[str] | None = None) -> int:
                 bytes=stats.stored_bytes,
                 tensors=stats.num_tensors,
             )
-    emit(event="done", step=state["step"], params=params_digest(model))
+        if args.stop_after is not None and step >= args.stop_after:
+            break
+    emit(
+        event="done",
+        step=state["step"],
+        params=digest(list(model.parameters())),
+        optim=digest(optimizer_tensors(optim)),
+        lr=sched.get_last_lr()[0],
+    )
     if ckpt is not None:
         ckpt.close()
     return 0
