@@ -26,7 +26,10 @@ _COMMAND_MODULES = (
     "tiersave.cli.inspect_cmds",
     "tiersave.cli.export_cmd",
     "tiersave.cli.prune_cmd",
+    "tiersave.cli.copy_cmd",
+    "tiersave.cli.stats_cmd",
     "tiersave.cli.plan_cmd",
+    "tiersave.cli.bench_cmd",
 )
 
 
