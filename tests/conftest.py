@@ -17,6 +17,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def listing(root: Path) -> list[str]:
+    """Names in a checkpoint root, without the save event log (tiersave-events.jsonl)."""
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith("tiersave-events"))
+
+
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     """An empty checkpoint root on the work disk."""

@@ -1,41 +1,52 @@
 """``Checkpointer``: save a training state as a checkpoint and restore it, atomically and verified.
 
-Scope: the user-facing API and the orchestration of one save (flatten -> write -> commit -> retention)
-and one restore (choose a step -> plan destinations -> read and verify -> load into the live state).
-Anti-scope: byte layout (format/), file-system details (storage/), chunked parallel I/O (engine/).
+Scope: the user-facing API and the orchestration of a save (flatten -> stage -> write -> commit ->
+retention) and of a restore (choose a step -> read and verify -> load into the live state).
+Anti-scope: byte layout (format/), file-system details (storage/), chunked parallel I/O (engine/),
+staging memory (stage.py), restore planning (restore.py).
+
+A save has two moments. It is *staged* when the state's bytes are in the staging arena: ``save(...,
+blocking=False)`` (alias ``save_async``) returns then, and training may change its tensors. It is
+*durable* when the checkpoint is committed: ``save()`` (blocking, the default) returns then, and
+``handle.result()`` returns its info. Background work (writes, fsync, commit, retention) runs on daemon
+threads while training goes on; one save is in flight at a time, and ``on_busy`` says what a new save
+does when the previous one is still being written.
 
 Example::
 
-    ckpt = tiersave.Checkpointer("/checkpoints/run1")
+    ckpt = tiersave.Checkpointer("/checkpoints/run1", keep_last=3)
     state = {"model": model, "optim": optim, "sched": sched, "rng": tiersave.RNGState(), "step": 0}
     if ckpt.latest() is not None:
         ckpt.restore(into=state)            # in place; returns `state`
-    for step in range(state["step"], steps):
+    for step in range(state["step"] + 1, steps + 1):
         ...
-        state["step"] = step + 1
+        state["step"] = step
         if step % 100 == 0:
-            ckpt.save(step + 1, state, metrics={"loss": loss})
+            ckpt.save_async(step, state, metrics={"loss": loss})   # blocks only for the copy
+    ckpt.close()                            # waits for the last save
 """
 
 from __future__ import annotations
 
 import builtins
 import logging
+import os
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from . import knobs
-from .catalog import Catalog, CheckpointInfo, OpenCheckpoint, VerifyReport
+from . import _lifecycle, knobs
+from .catalog import Catalog, CheckpointInfo, VerifyReport
 from .commit import RenameCommit
-from .engine.reader import ReadRequest
-from .engine.writer import TensorSource, plan_layout, write_shards
+from .engine.pipeline import StagedWrite, plan_save
+from .engine.pool import DaemonThreadPool
 from .errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -43,33 +54,26 @@ from .errors import (
     FormatError,
     ObjectNotFoundError,
     SaveError,
-    StateMismatchError,
     TiersaveError,
     TiersaveWarning,
 )
+from .events import EVENTS_NAME, EventLog
 from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
-from .format.layout import MAX_CHUNK_BYTES, MAX_STEP, is_valid_tag, shard_filename
+from .format.layout import MAX_CHUNK_BYTES, MAX_STEP, align_up, is_valid_tag, shard_filename
 from .format.manifest import Manifest, ShardInfo, TensorEntry
 from .handle import SaveHandle
-from .state import (
-    apply_into,
-    as_bits,
-    decode_placeholders,
-    fill_tree,
-    fits,
-    flatten,
-    match_targets,
-    ndarray_byte_view,
-    readable_in_place,
-    tensor_byte_view,
-    torch_dtype,
-)
+from .restore import Restore
+from .schedule import SaveCost, Schedule, parse_schedule
+from .stage import StagingArena
+from .state import flatten
 from .storage import open_storage
 from .storage.base import Storage
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Checkpointer", "RestoreReport"]
+
+OnBusy = Literal["wait", "skip", "raise"]
 
 
 @dataclass
@@ -93,6 +97,24 @@ class RestoreReport:
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
+@dataclass
+class _Pending:
+    """A save between staging and commit, handed from the caller's thread to the commit thread."""
+
+    handle: SaveHandle
+    job: StagedWrite
+    prefix: str
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    tree: Any
+    metrics: dict[str, float]
+    tags: tuple[str, ...]
+    metadata: dict[str, Any]
+    started: float
+    started_wall: float
+
+
 class Checkpointer:
     """Saves and restores checkpoints under one root.
 
@@ -102,6 +124,15 @@ class Checkpointer:
         io_threads: parallel readers/writers (default ``TIERSAVE_IO_THREADS`` or 2 x cores, at most 8).
         chunk_bytes: checksum/I/O chunk, a multiple of 4096 up to 64 MiB (default ``TIERSAVE_CHUNK_BYTES``).
         max_shard_bytes: start a new shard file past this many bytes (None: one shard).
+        staging_bytes: host memory for staging (None: one copy of the state, at most half the available
+            memory, or ``TIERSAVE_STAGING_BYTES``). A larger state streams through it.
+        on_busy: when a save is requested while the previous one is still being written: ``"wait"`` for
+            it, ``"skip"`` this save (a warning, ``skipped_saves`` counts them), or ``"raise"`` SaveError.
+        schedule: when to save, for loops that ask ``due(step)``: steps (int), seconds (float),
+            ``"steps:100"``, ``"seconds:10min"``, ``"auto:mttf=4h"`` or a ``Schedule`` object.
+        exit_timeout_s: how long interpreter exit, SIGTERM or ``close()`` wait for an in-flight save.
+        handle_sigterm: on SIGTERM, finish (or report) the in-flight save before the process ends.
+        event_log: append every save's timings to ``ROOT/tiersave-events.jsonl`` (local roots).
 
     Thread safety: one thread calls ``save``/``restore`` at a time; listing methods may be called from
     any thread. Use as a context manager or call ``close()``.
@@ -109,12 +140,18 @@ class Checkpointer:
 
     def __init__(
         self,
-        root: str | Any,
+        root: str | os.PathLike[str] | Storage,
         *,
         keep_last: int | None = None,
         io_threads: int | None = None,
         chunk_bytes: int | None = None,
         max_shard_bytes: int | None = None,
+        staging_bytes: int | None = None,
+        on_busy: OnBusy = "wait",
+        schedule: Schedule | str | int | float | None = None,
+        exit_timeout_s: float = 300.0,
+        handle_sigterm: bool = True,
+        event_log: bool = True,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be a positive integer or None, got {keep_last!r}")
@@ -126,24 +163,62 @@ class Checkpointer:
             raise ConfigError(f"chunk_bytes must be a multiple of 4096 in [4096, {MAX_CHUNK_BYTES}], got {chunk!r}")
         if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes < 4096):
             raise ConfigError(f"max_shard_bytes must be >= 4096 or None, got {max_shard_bytes!r}")
+        if on_busy not in ("wait", "skip", "raise"):
+            raise ConfigError(f"on_busy must be 'wait', 'skip' or 'raise', got {on_busy!r}")
+        if not exit_timeout_s >= 0:
+            raise ConfigError(f"exit_timeout_s must be >= 0, got {exit_timeout_s!r}")
+        self._schedule = parse_schedule(schedule)
         self.storage: Storage = open_storage(root)
         self.catalog = Catalog(self.storage)
         self.keep_last = keep_last
         self.chunk_bytes = chunk
         self.max_shard_bytes = max_shard_bytes
+        self.on_busy: OnBusy = on_busy
+        self.exit_timeout_s = float(exit_timeout_s)
         self._commit = RenameCommit(self.storage)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tiersave-io")
+        self._arena = StagingArena(staging_bytes)
+        self._pool = DaemonThreadPool(threads, "tiersave-io")
+        self._committer = DaemonThreadPool(1, "tiersave-commit")
+        local_root = getattr(self.storage, "root", None)
+        self.events = EventLog(Path(local_root) / EVENTS_NAME) if event_log and local_root is not None else None
+        self._lock = threading.Lock()
         self._last: SaveHandle | None = None
+        self._inflight: SaveHandle | None = None
+        self._staging_step: int | None = None
+        self._last_drain_s = 0.0
         self._closed = False
+        self.skipped_saves = 0
         self.last_restore: RestoreReport | None = None
+        _lifecycle.register(self, handle_sigterm=handle_sigterm)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Release the I/O threads. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._pool.shutdown(wait=True)
+    def close(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight save (up to ``timeout``, default ``exit_timeout_s``), then release the
+        threads and the staging memory. Idempotent.
+
+        Returns:
+            True if no save was left unfinished. An unfinished save is reported as a warning; it is not
+            visible (the previous checkpoint stays the newest).
+        """
+        if self._closed:
+            return True
+        finished = self.wait(timeout if timeout is not None else self.exit_timeout_s, raise_errors=False)
+        self._closed = True
+        _lifecycle.unregister(self)
+        self._committer.shutdown(wait=finished)
+        self._pool.shutdown(wait=finished)
+        if finished:
+            self._arena.release()
+        else:
+            pending = self._inflight
+            warnings.warn(
+                f"tiersave: the save of step {pending.step if pending else '?'} did not finish before close; "
+                f"it is not visible, the newest checkpoint in {self.storage.uri} is the previous one",
+                TiersaveWarning,
+                stacklevel=2,
+            )
+        return finished
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -157,6 +232,62 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this Checkpointer is closed")
+
+    def wait(self, timeout: float | None = None, *, raise_errors: bool = True) -> bool:
+        """Wait until no save is in flight and its follow-up work (retention) is done.
+
+        Returns:
+            False if ``timeout`` seconds passed first.
+
+        Raises:
+            TiersaveError: the last save failed (when ``raise_errors``); the error counts as observed.
+        """
+        pending = self._inflight
+        if pending is None:
+            return True
+        if not pending.wait(timeout):
+            return False
+        # The commit thread runs its queue in order: once a no-op queued now has run, retention and
+        # every other follow-up of the saves before it have run too.
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        try:
+            self._committer.submit(lambda: None).result(timeout)
+        except FutureTimeout:
+            return False
+        except RuntimeError:  # the pool is already shut down: nothing can be pending
+            pass
+        if raise_errors:
+            err = pending.exception()
+            if err is not None:
+                raise err
+        return True
+
+    def _exit_hook(self, reason: str) -> None:
+        """Called at interpreter exit or on SIGTERM: finish the in-flight save or say it did not finish."""
+        if self._closed:
+            return
+        import sys
+
+        pending = self._inflight
+        if self._staging_step is not None:
+            sys.stderr.write(
+                f"tiersave: {reason} while staging step {self._staging_step}; that save is abandoned and not "
+                f"visible (the newest checkpoint in {self.storage.uri} is unchanged)\n"
+            )
+            return
+        if pending is not None and not pending.done():
+            sys.stderr.write(
+                f"tiersave: {reason}: finishing the save of step {pending.step} (up to {self.exit_timeout_s:.0f} s)\n"
+            )
+        if not self.wait(self.exit_timeout_s, raise_errors=False):
+            sys.stderr.write(
+                f"tiersave: the save of step {pending.step if pending else '?'} did not finish within "
+                f"{self.exit_timeout_s:.0f} s; it is not visible (the newest checkpoint is the previous one)\n"
+            )
+            return
+        if pending is not None and pending._unobserved_error() is not None:
+            sys.stderr.write(f"tiersave: the save of step {pending.step} FAILED: {pending.exception()}\n")
 
     # -- listing ----------------------------------------------------------------------------------
 
@@ -195,7 +326,31 @@ class Checkpointer:
             raise ConfigError(f"keep_last must be a positive integer, got {keep_last!r}")
         return self.catalog.prune(keep_last).deleted
 
+    # -- scheduling -------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether the configured ``schedule`` says to save at ``step`` now."""
+        if self._schedule is None:
+            raise ConfigError("no schedule configured: pass Checkpointer(schedule=...)")
+        return self._schedule.due(step, time.monotonic())
+
+    @property
+    def schedule(self) -> Schedule | None:
+        return self._schedule
+
     # -- save -------------------------------------------------------------------------------------
+
+    def save_async(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        tags: Iterable[str] = (),
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """``save(..., blocking=False)``: return once the state is staged; write in the background."""
+        return self.save(step, state, metrics=metrics, tags=tags, metadata=metadata, blocking=False)
 
     def save(
         self,
@@ -205,8 +360,15 @@ class Checkpointer:
         metrics: Mapping[str, float] | None = None,
         tags: Iterable[str] = (),
         metadata: Mapping[str, Any] | None = None,
+        blocking: bool = True,
     ) -> SaveHandle:
-        """Save ``state`` as the checkpoint of ``step`` and return once it is committed and durable.
+        """Save ``state`` as the checkpoint of ``step``.
+
+        The call blocks while the state's bytes are copied into the staging arena (from the GPU with
+        non-blocking copies on a side stream). With ``blocking=True`` it then waits until the checkpoint
+        is committed and durable; with ``blocking=False`` it returns at once and the handle tells when
+        the save is durable (``handle.result()``), re-raising any background error. Once this returns,
+        changes to the state's tensors never leak into the checkpoint.
 
         Args:
             step: a non-negative integer; a step that is already committed is never overwritten.
@@ -214,79 +376,187 @@ class Checkpointer:
             metrics: finite numbers recorded in the manifest (used by keep-best retention).
             tags: names such as ``"best"`` or ``"milestone"`` to find the checkpoint by later.
             metadata: free JSON-serializable data recorded in the manifest.
+            blocking: wait until the checkpoint is durable (default) or only until it is staged.
 
         Returns:
-            A completed :class:`SaveHandle`; ``handle.result()`` is the checkpoint's info.
+            A :class:`SaveHandle`. A save skipped by ``on_busy="skip"`` returns a handle with
+            ``skipped=True`` whose ``result()`` is None.
 
         Raises:
             ConfigError: a bad step, metric, tag or metadata value.
             UnsupportedStateError: the state holds an object that cannot be saved.
             AlreadyExistsError: ``step`` is already committed.
             StorageError: the write failed (out of space, permission...); nothing became visible.
-            SaveError: an earlier save failed and its error was never observed.
+            SaveError: an earlier save failed and its error was never observed, or ``on_busy="raise"``
+                and a save is in flight.
         """
         self._check_open()
         self._raise_unobserved()
         step, metrics_d, tags_t, metadata_d = _validate_save_args(step, metrics, tags, metadata)
+        started, started_wall, started_mono = time.perf_counter(), time.time(), time.monotonic()
+        previous = self._inflight
+        if previous is not None and not previous.done():
+            if self.on_busy == "skip":
+                self.skipped_saves += 1
+                warnings.warn(
+                    f"skipping the save of step {step}: the save of step {previous.step} is still being written "
+                    f"({self.skipped_saves} skipped so far)",
+                    TiersaveWarning,
+                    stacklevel=2,
+                )
+                self._log_event(
+                    {
+                        "step": step,
+                        "outcome": "skipped",
+                        "time": started_wall,
+                        "reason": f"save of step {previous.step} in flight",
+                    }
+                )
+                return SaveHandle.skipped_save(step)
+            if self.on_busy == "raise":
+                raise SaveError(f"the save of step {previous.step} is still being written (on_busy='raise')")
+            previous.wait()
+            self._raise_unobserved()
         handle = SaveHandle(step)
-        self._last = handle
-        t0 = time.perf_counter()
-        flat = flatten(state)
-        t_flat = time.perf_counter()
-        prefix = self._commit.begin(step)
+        with self._lock:
+            self._last = handle
+            self._inflight = handle
+        pending = self._stage(handle, step, state, metrics_d, tags_t, metadata_d, started, started_wall)
+        self._committer.submit(self._complete, pending)
+        if self._schedule is not None:
+            self._schedule.record(
+                SaveCost(
+                    step=step, blocked_s=handle.stats.blocked_s, drain_s=self._last_drain_s, wall_time=started_mono
+                )
+            )
+        if blocking:
+            handle.result()
+        return handle
+
+    def _stage(
+        self,
+        handle: SaveHandle,
+        step: int,
+        state: Any,
+        metrics: dict[str, float],
+        tags: tuple[str, ...],
+        metadata: dict[str, Any],
+        started: float,
+        started_wall: float,
+    ) -> _Pending:
+        """Caller's thread: flatten, lay out, stage. On failure nothing is visible and the error is raised."""
+        stats = handle.stats
+        prefix: str | None = None
+        job: StagedWrite | None = None
+        self._staging_step = step
         try:
-            sources = [TensorSource(t.name, t.nbytes, t.cpu_bytes) for t in flat.tensors]
-            layout = plan_layout(sources, lambda i: shard_filename(0, i), max_shard_bytes=self.max_shard_bytes)
-            written = write_shards(self.storage, prefix, layout, chunk_bytes=self.chunk_bytes, executor=self._pool)
-            handle._set_staged()  # synchronous: the bytes are on storage, the caller may mutate
-            by_name = {t.name: t for t in flat.tensors}
+            flat = flatten(state)
+            t_flat = time.perf_counter()
+            stats.flatten_s = t_flat - started
+            plan = plan_save(
+                [t.name for t in flat.tensors],
+                [t.nbytes for t in flat.tensors],
+                chunk_bytes=self._chunk_for(sum(align_up(t.nbytes) for t in flat.tensors)),
+                shard_file=lambda i: shard_filename(0, i),
+                max_shard_bytes=self.max_shard_bytes,
+            )
+            prefix = self._commit.begin(step)
+            job = StagedWrite(self.storage, prefix, plan, [t.source for t in flat.tensors], self._arena, self._pool)
+            job.stage()
+        except BaseException as exc:
+            if job is not None:
+                job.abort()
+            if prefix is not None:
+                self._abort_prefix(prefix)
+            handle._set_error(exc)
+            handle._observed = True  # raised right here, to the caller
+            self._log_event({"step": step, "outcome": "failed", "time": started_wall, "error": str(exc)})
+            raise
+        finally:
+            self._staging_step = None
+        if not job.pinned:
+            handle._set_staged()  # CPU copies are done; device copies are confirmed by the commit thread
+        stats.stage_s = job.stage_s
+        stats.stage_wait_s = job.ring.waited_s
+        stats.tensor_bytes = flat.nbytes
+        stats.stored_bytes = plan.total_bytes
+        stats.num_tensors = len(flat.tensors)
+        stats.blocked_s = time.perf_counter() - started
+        return _Pending(
+            handle,
+            job,
+            prefix,
+            [t.name for t in flat.tensors],
+            [t.dtype for t in flat.tensors],
+            [t.shape for t in flat.tensors],
+            flat.tree,
+            metrics,
+            tags,
+            metadata,
+            started,
+            started_wall,
+        )
+
+    def _chunk_for(self, padded_bytes: int) -> int:
+        """The chunk size for a save of ``padded_bytes`` (tensors padded to 4 KiB): the configured one,
+        unless the state streams through a smaller staging budget; then at most half the budget, so
+        staging and writing overlap."""
+        budget = self._arena.budget_for(padded_bytes)
+        if budget >= padded_bytes:
+            return self.chunk_bytes
+        return min(self.chunk_bytes, max(4096, (budget // 2) // 4096 * 4096))
+
+    def _complete(self, p: _Pending) -> None:
+        """Commit thread: wait for the writes, make them durable, commit, then retention."""
+        handle, stats = p.handle, p.handle.stats
+        try:
+            p.job.wait_staged()
+            handle._set_staged()
+            checksums = p.job.finish()
+            stats.write_s = time.perf_counter() - p.started - stats.flatten_s
+            plan = p.job.plan
             tensors = {}
-            for index, shard in enumerate(layout):
-                for placed in shard.tensors:
-                    ft = by_name[placed.source.name]
-                    tensors[ft.name] = TensorEntry(
-                        ft.name,
-                        ft.dtype,
-                        ft.shape,
-                        index,
-                        placed.offset,
-                        ft.nbytes,
-                        written.checksums[ft.name],
-                    )
-            stats = handle.stats
-            stats.flatten_s = t_flat - t0
-            stats.write_s = written.seconds
-            stats.tensor_bytes = flat.nbytes
-            stats.stored_bytes = written.bytes_written
-            stats.num_tensors = len(flat.tensors)
-            stats.total_s = stats.blocked_s = time.perf_counter() - t0  # up to the commit
+            for i, name in enumerate(p.names):
+                shard, offset = plan.offsets[name]
+                tensors[name] = TensorEntry(
+                    name, p.dtypes[i], p.shapes[i], shard, offset, plan.nbytes[i], checksums[name]
+                )
+            stats.total_s = time.perf_counter() - p.started
             manifest = Manifest(
-                step=step,
-                shards=tuple(ShardInfo(s.file, 0, s.size) for s in layout),
+                step=handle.step,
+                shards=tuple(ShardInfo(s.file, 0, s.size) for s in plan.shards),
                 tensors=tensors,
-                tree=flat.tree,
-                chunk_bytes=self.chunk_bytes,
-                metrics=metrics_d,
-                tags=tags_t,
-                metadata=metadata_d,
+                tree=p.tree,
+                chunk_bytes=plan.chunk_bytes,
+                metrics=p.metrics,
+                tags=p.tags,
+                metadata=p.metadata,
                 stats=stats.to_json(),
             )
             t_commit = time.perf_counter()
-            self._commit.commit(prefix, step, manifest.to_json())
+            self._commit.commit(p.prefix, handle.step, manifest.to_json())
             stats.commit_s = time.perf_counter() - t_commit
         except BaseException as exc:
-            self._abort(prefix)
+            p.job.abort()
+            self._abort_prefix(p.prefix)
+            self._log_event(
+                {"step": handle.step, "outcome": "failed", "time": p.started_wall, "error": str(exc), **stats.to_json()}
+            )
             handle._set_error(exc)
-            handle._observed = True  # raised right here, to the caller
-            raise
-        stats.total_s = stats.blocked_s = time.perf_counter() - t0
-        info = self.catalog.remember(manifest)  # committed: describe it from memory, no read-back
+            return
+        stats.total_s = time.perf_counter() - p.started
+        self._last_drain_s = stats.total_s
+        info = self.catalog.remember(manifest)
+        self._log_event({"step": handle.step, "outcome": "committed", "time": p.started_wall, **stats.to_json()})
         handle._set_result(info)
         if self.keep_last is not None:
             self._retain(self.keep_last)
-        return handle
 
-    def _abort(self, prefix: str) -> None:
+    def _log_event(self, record: dict[str, Any]) -> None:
+        if self.events is not None:
+            self.events.append(record)
+
+    def _abort_prefix(self, prefix: str) -> None:
         try:
             self._commit.abort(prefix)
         except Exception:  # keep the original error; prune removes what is left
@@ -375,87 +645,7 @@ class Checkpointer:
 
     def _restore_one(self, step: int, into: Any, strict: bool) -> tuple[Any, int, int]:
         with self.catalog.open(step) as ckpt:
-            return _Restore(ckpt, into, strict).run(self._pool)
-
-
-class _Restore:
-    """One restore of one checkpoint: choose destinations, read, copy, rebuild."""
-
-    def __init__(self, ckpt: OpenCheckpoint, into: Any, strict: bool) -> None:
-        self.ckpt = ckpt
-        self.into = into
-        self.strict = strict
-
-    def run(self, pool: ThreadPoolExecutor) -> tuple[Any, int, int]:
-        manifest = self.ckpt.manifest
-        saved = decode_placeholders(manifest.tree)
-        targets = match_targets(saved, self.into, strict=self.strict) if self.into is not None else {}
-        requests: list[ReadRequest] = []
-        dests: dict[str, torch.Tensor | np.ndarray] = {}
-        claimed: list[tuple[int, int]] = []
-        in_place = 0
-        for name, entry in manifest.tensors.items():
-            candidates = targets.get(name, [])
-            for t in candidates:
-                if t.strict and not fits(t.value, entry.dtype, entry.shape):
-                    raise StateMismatchError(
-                        f"{t.path}: the live value is {_describe(t.value)} but step {manifest.step} holds "
-                        f"{entry.dtype}{list(entry.shape)}"
-                    )
-            dest: torch.Tensor | np.ndarray | None = None
-            for t in candidates:
-                if fits(t.value, entry.dtype, entry.shape) and readable_in_place(t.value):
-                    span = _span(t.value)
-                    if span[1] > span[0] and any(a < span[1] and span[0] < b for a, b in claimed):
-                        continue  # memory already filled by another stored tensor (tied in the live model)
-                    claimed.append(span)
-                    dest = t.value
-                    in_place += 1
-                    break
-            if dest is None:
-                dest = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
-            dests[name] = dest
-            view = ndarray_byte_view(dest) if isinstance(dest, np.ndarray) else tensor_byte_view(dest)
-            requests.append(ReadRequest(entry, view))
-        self.ckpt.read(requests, executor=pool)
-        values: dict[str, Any] = {}
-        for name, entry in manifest.tensors.items():
-            dest = dests[name]
-            primary: Any = dest
-            for t in targets.get(name, []):
-                if t.value is dest or not fits(t.value, entry.dtype, entry.shape):
-                    continue
-                _copy_into(t.value, dest)
-                if primary is dest:
-                    primary = t.value
-            values[name] = primary
-        if any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in values.values()):
-            torch.cuda.synchronize()
-        result = fill_tree(saved, values) if self.into is None else apply_into(saved, self.into, values)
-        return result, manifest.total_bytes, in_place
-
-
-def _span(value: torch.Tensor | np.ndarray) -> tuple[int, int]:
-    if isinstance(value, np.ndarray):
-        start = int(value.__array_interface__["data"][0])
-        return start, start + value.nbytes
-    start = value.data_ptr()
-    return start, start + value.numel() * value.element_size()
-
-
-def _copy_into(target: torch.Tensor | np.ndarray, src: torch.Tensor | np.ndarray) -> None:
-    if isinstance(target, np.ndarray):
-        np.copyto(target, src.numpy() if isinstance(src, torch.Tensor) else src)
-        return
-    source = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
-    with torch.no_grad():
-        as_bits(target).copy_(as_bits(source), non_blocking=target.device.type == "cuda")
-
-
-def _describe(value: torch.Tensor | np.ndarray) -> str:
-    if isinstance(value, np.ndarray):
-        return f"numpy {value.dtype}{list(value.shape)}"
-    return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)} on {value.device}"
+            return Restore(ckpt, into, strict).run(self._pool)
 
 
 def _validate_save_args(

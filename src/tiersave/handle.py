@@ -28,6 +28,8 @@ class SaveStats:
     step: int
     blocked_s: float = 0.0
     flatten_s: float = 0.0
+    stage_s: float = 0.0
+    stage_wait_s: float = 0.0
     write_s: float = 0.0
     commit_s: float = 0.0
     total_s: float = 0.0
@@ -44,6 +46,8 @@ class SaveStats:
         return {
             "blocked_s": round(self.blocked_s, 6),
             "flatten_s": round(self.flatten_s, 6),
+            "stage_s": round(self.stage_s, 6),
+            "stage_wait_s": round(self.stage_wait_s, 6),
             "write_s": round(self.write_s, 6),
             "commit_s": round(self.commit_s, 6),
             "total_s": round(self.total_s, 6),
@@ -61,9 +65,20 @@ class SaveHandle:
     def __init__(self, step: int) -> None:
         self.step = step
         self.stats = SaveStats(step)
+        self.skipped = False
         self._staged = threading.Event()
-        self._future: Future[CheckpointInfo] = Future()
+        self._future: Future[CheckpointInfo | None] = Future()
         self._observed = False
+
+    @classmethod
+    def skipped_save(cls, step: int) -> SaveHandle:
+        """A handle for a save that back-pressure skipped: done, not failed, ``result()`` is None."""
+        handle = cls(step)
+        handle.skipped = True
+        handle._observed = True
+        handle._staged.set()
+        handle._future.set_result(None)
+        return handle
 
     # -- producer side (the Checkpointer) ---------------------------------------------------------
 
@@ -94,8 +109,17 @@ class SaveHandle:
     def failed(self) -> bool:
         return self._future.done() and self._future.exception() is not None
 
-    def result(self, timeout: float | None = None) -> CheckpointInfo:
-        """Wait until the checkpoint is durable and return its info; re-raise the save's error.
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the save is committed or failed, without raising; True if it is done."""
+        try:
+            self._future.exception(timeout)
+        except FutureTimeout:
+            return False
+        return True
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo | None:
+        """Wait until the checkpoint is durable and return its info (None for a skipped save);
+        re-raise the save's error.
 
         Raises:
             SaveTimeoutError: ``timeout`` seconds passed first (the save goes on).
@@ -124,5 +148,8 @@ class SaveHandle:
         return None
 
     def __repr__(self) -> str:
-        state = "failed" if self.failed() else ("durable" if self.done() else "in progress")
+        if self.skipped:
+            state = "skipped"
+        else:
+            state = "failed" if self.failed() else ("durable" if self.done() else "in progress")
         return f"<SaveHandle step={self.step} {state}>"

@@ -13,6 +13,7 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 
 import tiersave
+from conftest import listing
 from tiersave.cli import main
 
 
@@ -121,12 +122,12 @@ def test_prune(capsys, populated):
     (populated / "step-0000000400.tmp-999999999-ffffffff-abc").mkdir()  # made on another host: kept
     code, doc = run_json(capsys, "prune", str(populated), "--keep-last", "1", "--dry-run")
     assert code == 0 and doc["deleted"] == [100, 200] and doc["kept"] == [300]
-    assert len(list(populated.iterdir())) == 4
+    assert len(listing(populated)) == 4
     code, doc = run_json(capsys, "prune", str(populated), "--keep-last", "1")
     assert doc["deleted"] == [100, 200] and doc["leftovers_removed"] == []
     code, doc = run_json(capsys, "prune", str(populated), "--force")
     assert doc["leftovers_removed"] == ["step-0000000400.tmp-999999999-ffffffff-abc"]
-    assert sorted(p.name for p in populated.iterdir()) == ["step-0000000300"]
+    assert listing(populated) == ["step-0000000300"]
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from conftest import listing
+
 
 @pytest.mark.slow
 def test_demo_resumes_bit_exact_after_sigkill(tmp_path):
@@ -35,5 +37,5 @@ def test_demo_resumes_bit_exact_after_sigkill(tmp_path):
     assert "killed at step 37" in out.stdout
     assert "restored step 30" in out.stdout
     assert "equal the reference run bit for bit (30/30), final weights identical" in out.stdout
-    steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    steps = listing(tmp_path / "checkpoints")
     assert steps == ["step-0000000040", "step-0000000050", "step-0000000060"]  # keep-last 3

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tiersave
-from conftest import assert_same
+from conftest import assert_same, listing
 from tiersave.format.dtypes import DTYPES
 
 
@@ -289,7 +289,7 @@ def test_unsupported_values_fail_clearly_and_save_nothing(root, value, fragment)
             ckpt.save(1, {"good": torch.ones(2), "bad": {"inner": value}})
         assert info.value.path.startswith("bad.inner")
         assert ckpt.list() == []
-    assert list(root.iterdir()) == []
+    assert listing(root) == []
 
 
 def test_cycles_are_rejected(root):

@@ -152,8 +152,9 @@ def main(
             f"data position, RNG, step)"
         )
         write(
-            f"time blocked per save: mean {1e3 * sum(blocked) / len(blocked):.1f} ms, "
-            f"max {1e3 * max(blocked):.1f} ms over {len(blocked)} saves (synchronous save, fsync included)"
+            f"time training was blocked per save: mean {1e3 * sum(blocked) / len(blocked):.1f} ms, "
+            f"max {1e3 * max(blocked):.1f} ms over {len(blocked)} saves (save_async: the copy into staging "
+            "memory; writing, fsync and commit run in the background)"
         )
     if resumed.restore:
         write(

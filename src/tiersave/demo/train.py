@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         loss_value = loss.item()
         emit(event="loss", step=step, loss=loss_value.hex())
         if ckpt is not None and step % args.save_every == 0:
-            handle = ckpt.save(step, state, metrics={"loss": loss_value})
+            # Returns once the state is copied into staging memory; writing goes on in the background.
+            handle = ckpt.save_async(step, state, metrics={"loss": loss_value})
             stats = handle.stats
             emit(
                 event="save",

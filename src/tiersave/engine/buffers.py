@@ -28,4 +28,4 @@ def aligned_buffer(nbytes: int, align: int = ALIGN) -> memoryview:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     raw = np.zeros(nbytes + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align
-    return memoryview(raw[start : start + nbytes])
+    return raw[start : start + nbytes].data

@@ -14,6 +14,11 @@ def crc32c_hex(data: memoryview | bytes | bytearray) -> str:
     return f"{_crc32c.crc32c(data):08x}"
 
 
+def crc32c_update(crc: int, data: memoryview | bytes | bytearray) -> int:
+    """Continue a CRC-32C over more bytes (for a chunk that arrives in pieces)."""
+    return int(_crc32c.crc32c(data, crc))
+
+
 def chunk_count(nbytes: int, chunk_bytes: int) -> int:
     return -(-nbytes // chunk_bytes)
 

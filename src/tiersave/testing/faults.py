@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import errno
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,19 +32,41 @@ class Fault:
 
 
 class FaultyStorage:
-    """A Storage wrapper that injects faults; ``ops`` counts calls by operation name."""
+    """A Storage wrapper that injects faults; ``ops`` counts calls by operation name.
 
-    def __init__(self, inner: Storage, faults: list[Fault] | None = None) -> None:
+    Args:
+        inner: the real backend.
+        faults: errors to raise on chosen calls.
+        delays: seconds to sleep before each call of an operation (a slow device).
+        gates: operations that block until their ``threading.Event`` is set (deterministic slowness).
+    """
+
+    def __init__(
+        self,
+        inner: Storage,
+        faults: list[Fault] | None = None,
+        *,
+        delays: dict[str, float] | None = None,
+        gates: dict[str, threading.Event] | None = None,
+    ) -> None:
         self.inner = inner
         self.uri = inner.uri
         self.capabilities = inner.capabilities
         self.faults = list(faults or [])
+        self.delays = dict(delays or {})
+        self.gates = dict(gates or {})
         self.ops: Counter[str] = Counter()
         self.total = 0
         self.log: list[str] = []
         self._lock = threading.Lock()
 
     def _tick(self, op: str, key: str) -> None:
+        gate = self.gates.get(op)
+        if gate is not None:
+            gate.wait()
+        delay = self.delays.get(op)
+        if delay:
+            time.sleep(delay)
         with self._lock:
             self.ops[op] += 1
             self.total += 1

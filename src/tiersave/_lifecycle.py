@@ -1,0 +1,83 @@
+"""Process exit and SIGTERM: finish the in-flight save, or say clearly that it did not finish.
+
+Every open Checkpointer is registered (weakly). At interpreter exit, and on SIGTERM when enabled, each
+one's ``_exit_hook`` waits (bounded by its ``exit_timeout_s``) for its in-flight save and writes one line
+to stderr if the save could not finish or failed; an unfinished save is never half-visible, it is simply
+not committed. Background threads are daemons, so a stuck write cannot hang the exit itself.
+
+The SIGTERM handler is installed once, only from the main thread. It chains to a handler that was
+installed before it; when there was none (the default action), it re-delivers SIGTERM with the default
+action after the wait, so the process still ends with the usual status.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import threading
+import weakref
+from types import FrameType
+from typing import Any, Protocol
+
+
+class _Hooked(Protocol):
+    def _exit_hook(self, reason: str) -> None: ...
+
+
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+_lock = threading.Lock()
+_atexit_installed = False
+_sigterm_installed = False
+_previous_handler: Any = None
+
+
+def register(obj: _Hooked, *, handle_sigterm: bool) -> None:
+    global _atexit_installed
+    with _lock:
+        _live.add(obj)
+        if not _atexit_installed:
+            atexit.register(_run_hooks, "the interpreter is exiting")
+            _atexit_installed = True
+    if handle_sigterm:
+        _install_sigterm()
+
+
+def unregister(obj: _Hooked) -> None:
+    with _lock:
+        _live.discard(obj)
+
+
+def _run_hooks(reason: str) -> None:
+    with _lock:
+        live = list(_live)
+    for obj in live:
+        try:
+            obj._exit_hook(reason)
+        except Exception as exc:  # never let one checkpointer's problem stop the others' hooks
+            os.write(2, f"tiersave: exit hook failed: {exc}\n".encode())
+
+
+def _install_sigterm() -> None:
+    global _sigterm_installed, _previous_handler
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # not the main interpreter, or signals unavailable
+        return
+    _previous_handler = previous
+    _sigterm_installed = True
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    _run_hooks("SIGTERM received")
+    previous = _previous_handler
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)

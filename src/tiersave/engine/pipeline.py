@@ -1,0 +1,240 @@
+"""The staged write of one checkpoint: stage chunks into the arena ring, write them as they land.
+
+A save's tensors are cut into *units*, one per checksum chunk (at most ``chunk_bytes``), each padded to
+4096 bytes. Because the format places tensor ``i+1`` at ``align_up(end of tensor i)``, the padded units
+tile every shard exactly: each unit is one aligned write, straight from the page-aligned arena (so the
+direct-I/O path applies), and the zero padding the format requires is written with it.
+
+Call order (the Checkpointer's):
+
+1. ``StagedWrite(...)`` opens one writer per shard (create-only).
+2. ``stage()`` on the caller's thread: copies every unit into the ring and submits its write; returns
+   when everything is staged (the *staged* moment). With a state larger than the ring it waits for
+   writes to free space as it goes.
+3. ``finish()`` on a background thread: waits for the writes, makes every shard durable, and returns
+   the checksums. ``abort()`` discards the shards after any failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._crash import crashpoint
+from ..format.checksum import crc32c_update
+from ..format.layout import ALIGN, align_up
+from ..stage import Ring, StagingArena, needs_pinned, source_bytes
+from ..storage.base import BlobWriter, Storage
+from .writer import ShardLayout, TensorSource, plan_layout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Unit:
+    """One checksum chunk of one tensor: the bytes ``[src_start, src_start + length)`` of the tensor,
+    written at ``file_offset`` of its shard as ``padded`` bytes (zero padding after the data)."""
+
+    tensor: int
+    chunk: int
+    shard: int
+    file_offset: int
+    global_offset: int
+    src_start: int
+    length: int
+    padded: int
+
+
+@dataclass
+class SavePlan:
+    """Where every tensor of a save goes. ``names[i]`` is tensor ``i``; units are in global order."""
+
+    names: list[str]
+    nbytes: list[int]
+    shards: list[ShardLayout]
+    units: list[Unit]
+    chunk_bytes: int
+    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (shard, offset)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+
+def plan_save(
+    names: Sequence[str],
+    nbytes: Sequence[int],
+    *,
+    chunk_bytes: int,
+    shard_file: Callable[[int], str],
+    max_shard_bytes: int | None = None,
+) -> SavePlan:
+    """Lay out tensors (docs/format.md offsets) and cut them into units."""
+    if chunk_bytes % ALIGN:
+        raise ValueError(f"chunk_bytes {chunk_bytes} is not a multiple of {ALIGN}")
+    sources = [TensorSource(n, b, _no_data) for n, b in zip(names, nbytes)]
+    shards = plan_layout(sources, shard_file, max_shard_bytes=max_shard_bytes)
+    index = {n: i for i, n in enumerate(names)}
+    plan = SavePlan(list(names), list(nbytes), shards, [], chunk_bytes)
+    base = 0
+    for s, shard in enumerate(shards):
+        for placed in shard.tensors:
+            name, size = placed.source.name, placed.source.nbytes
+            plan.offsets[name] = (s, placed.offset)
+            for c, start in enumerate(range(0, size, chunk_bytes)):
+                length = min(chunk_bytes, size - start)
+                off = placed.offset + start
+                plan.units.append(Unit(index[name], c, s, off, base + off, start, length, align_up(length)))
+        base += shard.size
+    return plan
+
+
+def _no_data() -> memoryview:  # plan_layout needs only names and sizes
+    raise AssertionError("unreachable")
+
+
+class StagedWrite:
+    """Stages one save into the arena and writes it to ``storage`` under ``prefix``."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        prefix: str,
+        plan: SavePlan,
+        sources: Sequence[Any],
+        arena: StagingArena,
+        executor: Executor,
+    ) -> None:
+        self.storage = storage
+        self.prefix = prefix
+        self.plan = plan
+        self.sources = list(sources)
+        self.executor = executor
+        self.pinned = needs_pinned(self.sources)
+        # The ring must hold two units to overlap staging with writing, unless the whole save fits.
+        min_bytes = min(2 * plan.chunk_bytes, plan.total_bytes)
+        self.arena_tensor = arena.reserve(plan.total_bytes, pinned=self.pinned, min_bytes=min_bytes)
+        self.ring = Ring(int(self.arena_tensor.numel()))
+        self._view = self.arena_tensor.numpy().data.cast("B")
+        self.crcs: list[list[str]] = [[""] * -(-n // plan.chunk_bytes) for n in plan.nbytes]
+        self.futures: list[Future[None]] = []
+        self.stage_s = 0.0
+        self.write_s = 0.0
+        self._cuda_stream: Any = None
+        self._last_event: Any = None
+        self._staged_event = threading.Event()
+        self.writers: list[BlobWriter] = []
+        try:
+            for shard in plan.shards:
+                self.writers.append(storage.open_writer(f"{prefix}/{shard.file}"))
+        except BaseException:
+            self.abort()
+            raise
+
+    # -- caller thread --------------------------------------------------------------------------
+
+    def stage(self) -> None:
+        """Copy every unit into the ring, submitting each unit's write as soon as it is staged."""
+        start = time.perf_counter()
+        units_by_tensor: dict[int, list[Unit]] = {}
+        for u in self.plan.units:
+            units_by_tensor.setdefault(u.tensor, []).append(u)
+        arena = self.arena_tensor
+        if self.pinned:
+            self._cuda_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            self._cuda_stream.wait_stream(torch.cuda.current_stream())
+        for t_index, units in units_by_tensor.items():
+            src = source_bytes(self.sources[t_index])
+            on_cuda = src.device.type == "cuda"
+            for u in units:
+                self.ring.wait_free(u.global_offset + u.padded)
+                segments = self.ring.segments(u.global_offset, u.padded)
+                copied = 0
+                for pos, n in segments:
+                    take = max(0, min(n, u.length - copied))
+                    if take:
+                        piece = src[u.src_start + copied : u.src_start + copied + take]
+                        if on_cuda:
+                            with torch.cuda.stream(self._cuda_stream):
+                                arena[pos : pos + take].copy_(piece, non_blocking=True)
+                        else:
+                            arena[pos : pos + take].copy_(piece)
+                    if take < n:
+                        arena[pos + take : pos + n].zero_()  # the format's zero padding
+                    copied += take
+                event = None
+                if on_cuda:
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record(self._cuda_stream)
+                    self._last_event = event
+                self.futures.append(self.executor.submit(self._write_unit, u, segments, event))
+        if self._last_event is not None:
+            # Later kernels on the caller's stream must not change tensors before the copies read them.
+            torch.cuda.current_stream().wait_event(self._last_event)
+        self.stage_s = time.perf_counter() - start
+
+    def wait_staged(self) -> None:
+        """Block until the staged bytes are in host memory (device copies complete)."""
+        if self._last_event is not None:
+            self._last_event.synchronize()
+
+    # -- writer threads -------------------------------------------------------------------------
+
+    def _write_unit(self, u: Unit, segments: list[tuple[int, int]], event: Any) -> None:
+        try:
+            if event is not None:
+                event.synchronize()
+            crc, seen = 0, 0
+            for pos, n in segments:
+                take = max(0, min(n, u.length - seen))
+                if take:
+                    crc = crc32c_update(crc, self._view[pos : pos + take])
+                seen += n
+            self.crcs[u.tensor][u.chunk] = f"{crc:08x}"
+            offset = u.file_offset
+            writer = self.writers[u.shard]
+            for pos, n in segments:
+                writer.write_at(offset, self._view[pos : pos + n])
+                offset += n
+        except BaseException as exc:
+            self.ring.fail(exc)
+            raise
+        self.ring.release(u.global_offset, u.global_offset + u.padded)
+
+    # -- background thread ----------------------------------------------------------------------
+
+    def finish(self) -> dict[str, tuple[str, ...]]:
+        """Wait for every unit's write, make every shard durable; return checksums by tensor name."""
+        start = time.perf_counter()
+        wait(self.futures)
+        for fut in self.futures:
+            fut.result()  # the first failure, if any
+        crashpoint("after_shard_write")
+        for shard, writer in zip(self.plan.shards, self.writers):
+            writer.finish(shard.size)
+        crashpoint("after_shard_fsync")
+        self.write_s = time.perf_counter() - start
+        return {name: tuple(self.crcs[i]) for i, name in enumerate(self.plan.names)}
+
+    def abort(self) -> None:
+        """Discard everything written (waits for in-flight writes first)."""
+        self.ring.fail(_Aborted("save aborted"))
+        for fut in self.futures:
+            fut.cancel()
+        wait(self.futures)
+        for writer in self.writers:
+            try:
+                writer.abort()
+            except Exception:  # the original failure matters more
+                log.warning("could not discard %s", writer.key, exc_info=True)
+
+
+class _Aborted(Exception):
+    pass

@@ -1,0 +1,62 @@
+"""The save event log: one JSON line per save (committed, failed or skipped) with its timings.
+
+Lives at ``ROOT/tiersave-events.jsonl`` for a local root. Each record is appended with a single
+``O_APPEND`` write, so concurrent writers never interleave within a line; the log is informational
+(``tiersave stats``), never used to decide what is committed. It is rotated to ``.1`` past 16 MiB.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+EVENTS_NAME = "tiersave-events.jsonl"
+_ROTATE_BYTES = 16 << 20
+
+
+class EventLog:
+    """Appends save records to a JSON-lines file. Thread-safe (one ``write`` per record)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def append(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode()
+        try:
+            try:
+                if self.path.stat().st_size > _ROTATE_BYTES:
+                    os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+            except FileNotFoundError:
+                pass
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        except (OSError, ValueError) as exc:  # statistics must never fail a save
+            log.warning("could not append to the event log %s: %s", self.path, exc)
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Records of the log (and its rotated predecessor), oldest first; malformed lines are skipped."""
+    base = Path(path)
+    records: list[dict[str, Any]] = []
+    for p in (base.with_name(base.name + ".1"), base):
+        try:
+            text = p.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            continue
+        for line in text.splitlines():
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                records.append(value)
+    return records

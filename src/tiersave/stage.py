@@ -1,0 +1,188 @@
+"""Staging: the only part of a save the training loop waits for.
+
+Scope: a reusable, page-aligned host arena (pinned when the state has CUDA tensors) bounded by a memory
+budget, used as a ring over a save's bytes; copying tensors into it chunk by chunk (device-to-host copies
+are non-blocking on a side stream); and the bookkeeping that lets writers free ring space as they finish.
+Anti-scope: where the bytes go (engine/pipeline.py), what they mean (state.py, format/).
+
+Memory: the arena is allocated once, sized ``min(budget, bytes of the save)``, and reused by every
+later save, so host memory neither doubles the state behind the user's back nor grows across saves. A
+state larger than the budget streams through the ring: staging then waits for writers to free space
+(back-pressure), and the caller blocks for longer instead of the process running out of memory.
+
+Thread safety: one save stages at a time (the Checkpointer guarantees it); ``Ring`` is shared between
+the staging thread and the writer threads and is internally locked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+from .format.layout import ALIGN, align_up
+
+log = logging.getLogger(__name__)
+
+
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` from /proc/meminfo, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def default_budget(save_bytes: int) -> int:
+    """The staging budget when none is configured: one full copy of the save, but at most half of the
+    memory available now (``TIERSAVE_STAGING_BYTES`` overrides)."""
+    env = os.environ.get("TIERSAVE_STAGING_BYTES")
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            raise ConfigError(f"TIERSAVE_STAGING_BYTES={env!r} is not an integer") from None
+        if value < 2 * ALIGN:
+            raise ConfigError(f"TIERSAVE_STAGING_BYTES={value} is below the minimum of {2 * ALIGN}")
+        return value
+    avail = available_memory_bytes()
+    cap = avail // 2 if avail else save_bytes
+    return max(2 * ALIGN, min(save_bytes, cap))
+
+
+class StagingArena:
+    """Page-aligned host memory reused across saves; pinned (page-locked) when CUDA tensors are staged.
+
+    Args:
+        budget_bytes: the most host memory staging may use; None chooses per save (:func:`default_budget`).
+    """
+
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        if budget_bytes is not None and budget_bytes < 2 * ALIGN:
+            raise ConfigError(f"staging budget must be at least {2 * ALIGN} bytes, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._tensor: torch.Tensor | None = None
+        self._pinned = False
+        self.allocations = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._tensor is None else int(self._tensor.numel())
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
+
+    def budget_for(self, save_bytes: int) -> int:
+        budget = self.budget_bytes if self.budget_bytes is not None else default_budget(save_bytes)
+        return max(2 * ALIGN, budget - budget % ALIGN)
+
+    def reserve(self, save_bytes: int, *, pinned: bool, min_bytes: int) -> torch.Tensor:
+        """A uint8 tensor over the arena, at least ``min(budget, save_bytes)`` and ``min_bytes`` long.
+
+        Reuses the current allocation when it is large enough (and pinned if required); otherwise frees
+        it and allocates anew. The first touch of fresh pages is paid here, once, not on every save.
+        """
+        want = max(min(self.budget_for(save_bytes), align_up(save_bytes)), min_bytes)
+        if self._tensor is not None and self.capacity >= want and (self._pinned or not pinned):
+            return self._tensor
+        self.release()
+        self._tensor = _aligned_tensor(want, pinned)
+        self._pinned = pinned
+        self.allocations += 1
+        log.debug("staging arena: allocated %d bytes (pinned=%s)", want, pinned)
+        return self._tensor
+
+    def release(self) -> None:
+        self._tensor = None
+
+
+def _aligned_tensor(nbytes: int, pinned: bool) -> torch.Tensor:
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned)
+    start = (-raw.data_ptr()) % ALIGN
+    view = raw[start : start + nbytes]
+    view.zero_()  # fault the pages in now, once, rather than inside the first save's copies
+    return view
+
+
+class Ring:
+    """Which part of the arena is free, for a save whose bytes are laid out over ``[0, total)``.
+
+    Global offset ``g`` lives at arena position ``g % capacity``. The staging thread calls
+    :meth:`wait_free` before copying a unit; writer threads call :meth:`release` when a unit is on
+    storage. Units cover ``[0, total)`` exactly, so the released ranges advance one watermark.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._freed = 0
+        self._done: dict[int, int] = {}
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self.waited_s = 0.0
+
+    def segments(self, start: int, length: int) -> list[tuple[int, int]]:
+        """Arena ``(position, length)`` pieces of the global range ``[start, start + length)``."""
+        pos = start % self.capacity
+        first = min(length, self.capacity - pos)
+        return [(pos, first)] if first == length else [(pos, first), (0, length - first)]
+
+    def wait_free(self, end: int) -> None:
+        """Block until every byte below ``end - capacity`` has been written (or a writer failed)."""
+        import time
+
+        with self._cond:
+            if end - self.capacity <= self._freed and self._error is None:
+                return
+            t0 = time.perf_counter()
+            while end - self.capacity > self._freed and self._error is None:
+                self._cond.wait()
+            self.waited_s += time.perf_counter() - t0
+            if self._error is not None:
+                raise self._error
+
+    def release(self, start: int, end: int) -> None:
+        with self._cond:
+            self._done[start] = end
+            while self._freed in self._done:
+                self._freed = self._done.pop(self._freed)
+            self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """Wake the staging thread with a writer's error."""
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+
+def source_bytes(source: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A flat, contiguous uint8 tensor over a value's bytes, on the value's device (copies only when the
+    value is not contiguous or carries a conj/neg bit)."""
+    from .state import as_bits
+
+    if isinstance(source, np.ndarray):
+        arr = np.ascontiguousarray(source)
+        return torch.from_numpy(arr.reshape(-1).view(np.uint8))
+    t = source.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    t = as_bits(t)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def needs_pinned(sources: list[Any]) -> bool:
+    return any(isinstance(s, torch.Tensor) and s.device.type == "cuda" for s in sources)

@@ -1,0 +1,290 @@
+"""Asynchronous save: snapshot consistency, streaming through a small staging budget, background errors,
+back-pressure, shutdown (close, interpreter exit, SIGTERM), statistics, schedule, memory."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import tiersave
+from conftest import assert_same, listing
+from tiersave.errors import StorageError
+from tiersave.events import read_events
+from tiersave.storage.local import LocalStorage
+from tiersave.testing.faults import Fault, FaultyStorage
+
+
+def big_state(seed: int = 0, mib: int = 4) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    n = mib * (1 << 20) // 4 // 8
+    return {
+        "layers": [torch.randn(n, generator=g) for _ in range(8)],
+        "t": torch.randn(300, 200, generator=g).t(),  # non-contiguous
+        "bf16": torch.randn(1000, generator=g).to(torch.bfloat16),
+        "np": np.arange(5000, dtype=np.float64),
+        "step": seed,
+    }
+
+
+def clone(state):
+    out = {k: v for k, v in state.items()}
+    out["layers"] = [t.clone() for t in state["layers"]]
+    out["t"] = state["t"].clone()
+    out["bf16"] = state["bf16"].clone()
+    out["np"] = state["np"].copy()
+    return out
+
+
+def test_changes_after_save_async_never_leak_into_the_checkpoint(root):
+    state = big_state(1)
+    expected = clone(state)
+    gate = threading.Event()
+    storage = FaultyStorage(LocalStorage(root), gates={"finish": gate})  # hold the write back
+    with tiersave.Checkpointer(storage) as ckpt:
+        handle = ckpt.save_async(1, state)
+        assert handle.staged() and not handle.done()
+        for t in state["layers"]:
+            t.fill_(7.0)  # training goes on and changes everything in place
+        state["t"].zero_()
+        state["bf16"].fill_(3)
+        state["np"][:] = -1
+        gate.set()
+        info = handle.result(timeout=60)
+        assert info.step == 1
+        assert_same(ckpt.restore(1), expected)
+
+
+def test_streaming_through_a_budget_smaller_than_the_state(root):
+    state = big_state(2, mib=8)
+    budget = 256 << 10  # 256 KiB of staging for an 8 MiB state
+    with tiersave.Checkpointer(root, staging_bytes=budget, io_threads=3) as ckpt:
+        handle = ckpt.save(1, state)
+        assert ckpt._arena.capacity <= budget
+        assert handle.stats.stage_wait_s > 0  # staging waited for writers to free ring space
+        manifest = ckpt.catalog.manifest(1)
+        assert manifest.chunk_bytes == budget // 2
+        assert_same(ckpt.restore(1), state)
+        assert ckpt.verify(1).ok
+
+
+def test_the_staging_arena_is_allocated_once_and_reused(root):
+    with tiersave.Checkpointer(root, keep_last=2) as ckpt:
+        for step in range(1, 21):
+            ckpt.save_async(step, big_state(step, mib=1))
+        ckpt.wait()
+        assert ckpt._arena.allocations == 1
+        assert [i.step for i in ckpt.list()] == [19, 20]
+
+
+def test_background_error_is_raised_by_the_handle_and_retention_does_not_run(root):
+    storage = FaultyStorage(LocalStorage(root))
+    with tiersave.Checkpointer(storage, keep_last=1) as ckpt:
+        ckpt.save(1, big_state(1, mib=1))
+        storage.faults = [Fault("finish", storage.ops["finish"] + 1)]  # fsync of the next save fails
+        handle = ckpt.save_async(2, big_state(2, mib=1))
+        with pytest.raises(StorageError, match="injected"):
+            handle.result(timeout=60)
+        assert handle.failed()
+        assert ckpt.catalog.steps() == [1]  # keep_last=1 did not delete step 1 for a save that failed
+        assert_same(ckpt.restore(), big_state(1, mib=1))
+        assert listing(root) == ["step-0000000001"]
+
+
+def test_unobserved_background_error_is_raised_by_the_next_save(root):
+    storage = FaultyStorage(LocalStorage(root))
+    with tiersave.Checkpointer(storage) as ckpt:
+        storage.faults = [Fault("finish", 1)]
+        handle = ckpt.save_async(1, big_state(1, mib=1))
+        handle.wait(60)
+        with pytest.raises(tiersave.SaveError, match="the save of step 1 failed and nobody observed it") as info:
+            ckpt.save(2, big_state(2, mib=1))
+        assert isinstance(info.value.__cause__, StorageError)
+        assert ckpt.catalog.steps() == []
+        ckpt.save(2, big_state(2, mib=1))  # observed now: the next save goes ahead
+        assert ckpt.catalog.steps() == [2]
+
+
+def test_on_busy_skip_raise_and_wait(root):
+    gate = threading.Event()
+    storage = FaultyStorage(LocalStorage(root), gates={"finish": gate})
+    with tiersave.Checkpointer(storage, on_busy="skip") as ckpt:
+        first = ckpt.save_async(1, big_state(1, mib=1))
+        with pytest.warns(tiersave.TiersaveWarning, match="skipping the save of step 2.*1 skipped so far"):
+            skipped = ckpt.save_async(2, big_state(2, mib=1))
+        assert skipped.skipped and skipped.done() and skipped.result() is None
+        assert ckpt.skipped_saves == 1
+        ckpt.on_busy = "raise"
+        with pytest.raises(tiersave.SaveError, match="still being written"):
+            ckpt.save_async(3, big_state(3, mib=1))
+        ckpt.on_busy = "wait"
+        threading.Timer(0.3, gate.set).start()
+        ckpt.save(4, big_state(4, mib=1))  # waits for step 1, then saves
+        assert first.done() and ckpt.catalog.steps() == [1, 4]
+    events = read_events(root / "tiersave-events.jsonl")
+    assert [(e["step"], e["outcome"]) for e in events] == [(2, "skipped"), (1, "committed"), (4, "committed")]
+
+
+def test_close_waits_for_the_in_flight_save(root):
+    storage = FaultyStorage(LocalStorage(root), delays={"finish": 0.5})
+    ckpt = tiersave.Checkpointer(storage)
+    handle = ckpt.save_async(1, big_state(1, mib=1))
+    assert ckpt.close() is True
+    assert handle.done() and ckpt.catalog.steps() == [1]
+
+
+def test_close_with_a_stuck_save_reports_it_and_shows_nothing(root):
+    gate = threading.Event()
+    storage = FaultyStorage(LocalStorage(root), gates={"finish": gate})
+    ckpt = tiersave.Checkpointer(storage)
+    handle = ckpt.save_async(2, big_state(2, mib=1))
+    with pytest.warns(tiersave.TiersaveWarning, match="the save of step 2 did not finish before close"):
+        assert ckpt.close(timeout=0.2) is False
+    assert not handle.done()
+    assert tiersave.Checkpointer(root).catalog.steps() == []  # nothing half-visible
+    gate.set()
+
+
+def _run_script(tmp_path, body: str, *, sigterm_after: float | None = None) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(body)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if sigterm_after is not None:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(sigterm_after)
+        proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+SLOW_SAVE = textwrap.dedent("""
+    import sys, torch, tiersave
+    from tiersave.storage.local import LocalStorage
+    from tiersave.testing.faults import FaultyStorage
+    storage = FaultyStorage(LocalStorage({root!r}), delays={{"finish": 1.0}})
+    ckpt = tiersave.Checkpointer(storage, exit_timeout_s=30)
+    ckpt.save_async(7, {{"w": torch.arange(100000.0)}})
+    print("ready", flush=True)
+""")
+
+
+def test_interpreter_exit_finishes_the_in_flight_save(tmp_path, root):
+    out = _run_script(tmp_path, SLOW_SAVE.format(root=str(root)) + "\nprint('exiting')\n")
+    assert out.returncode == 0, out.stderr
+    assert "tiersave: the interpreter is exiting: finishing the save of step 7" in out.stderr
+    with tiersave.Checkpointer(root) as ckpt:
+        assert torch.equal(ckpt.restore(7)["w"], torch.arange(100000.0))
+
+
+def test_sigterm_finishes_the_in_flight_save_then_terminates(tmp_path, root):
+    body = SLOW_SAVE.format(root=str(root)) + "\nimport time\ntime.sleep(60)\n"
+    out = _run_script(tmp_path, body, sigterm_after=0.1)
+    assert out.returncode == -signal.SIGTERM
+    assert "tiersave: SIGTERM received: finishing the save of step 7" in out.stderr
+    with tiersave.Checkpointer(root) as ckpt:
+        assert ckpt.catalog.steps() == [7] and ckpt.verify(7).ok
+
+
+def test_sigterm_chains_to_the_previous_handler(tmp_path, root):
+    body = (
+        textwrap.dedent("""
+    import signal, sys
+    def mine(signum, frame):
+        print("user handler ran", flush=True)
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, mine)
+    """)
+        + SLOW_SAVE.format(root=str(root))
+        + "\nimport time\ntime.sleep(60)\n"
+    )
+    out = _run_script(tmp_path, body, sigterm_after=0.1)
+    assert out.returncode == 3 and "user handler ran" in out.stdout
+    with tiersave.Checkpointer(root) as ckpt:
+        assert ckpt.catalog.steps() == [7]
+
+
+def test_a_failed_background_save_is_reported_at_exit(tmp_path, root):
+    body = textwrap.dedent("""
+    import torch, tiersave
+    from tiersave.storage.local import LocalStorage
+    from tiersave.testing.faults import Fault, FaultyStorage
+    storage = FaultyStorage(LocalStorage({root!r}), [Fault("finish", 1)])
+    ckpt = tiersave.Checkpointer(storage)
+    ckpt.save_async(3, {{"w": torch.ones(10)}})
+    """).format(root=str(root))
+    out = _run_script(tmp_path, body)
+    assert "tiersave: the save of step 3 FAILED" in out.stderr and "injected" in out.stderr
+
+
+def test_stats_are_recorded_in_the_manifest_and_the_event_log(root):
+    with tiersave.Checkpointer(root) as ckpt:
+        handle = ckpt.save(5, big_state(5, mib=2), metrics={"loss": 0.5})
+    stats = handle.stats
+    assert stats.tensor_bytes > 2 << 20 and stats.stored_bytes % 4096 == 0 and stats.num_tensors == 11
+    assert 0 < stats.blocked_s <= stats.total_s and stats.stage_s > 0 and stats.write_s > 0
+    manifest = json.loads((root / "step-0000000005" / "manifest.json").read_text())
+    assert manifest["stats"]["num_tensors"] == 11 and manifest["stats"]["blocked_s"] > 0
+    (event,) = read_events(root / "tiersave-events.jsonl")
+    assert event["step"] == 5 and event["outcome"] == "committed" and event["commit_s"] > 0
+
+
+def test_due_follows_the_schedule(root):
+    with tiersave.Checkpointer(root, schedule="steps:10") as ckpt:
+        assert [s for s in range(1, 31) if ckpt.due(s)] == [10, 20, 30]
+    with tiersave.Checkpointer(root) as ckpt, pytest.raises(tiersave.ConfigError, match="no schedule configured"):
+        ckpt.due(1)
+    with pytest.raises(tiersave.ConfigError):
+        tiersave.Checkpointer(root, schedule="sometimes")
+
+
+def test_auto_schedule_learns_the_blocked_time(root):
+    with tiersave.Checkpointer(root, schedule="auto:mttf=1h") as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, big_state(step, mib=1))
+        sched = ckpt.schedule
+        assert sched.cost_s < 1.0  # measured blocked time replaced the 5 s initial guess
+        assert sched.interval_s < 60  # sqrt(2 * C * 3600) with C well under a second
+
+
+def test_resident_memory_does_not_grow_over_100_saves(tmp_path):
+    code = f"""
+import resource, torch, tiersave
+def rss():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * 4096
+state = {{'w': [torch.randn(1 << 18) for _ in range(16)]}}  # 16 MiB
+ckpt = tiersave.Checkpointer({str(tmp_path / "c")!r}, keep_last=1)
+for step in range(1, 11):
+    ckpt.save(step, state)
+base = rss()
+for step in range(11, 111):
+    ckpt.save(step, state)
+print(rss() - base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    growth, _ = map(int, out.stdout.split())
+    assert growth < 8 << 20, f"RSS grew by {growth / 2**20:.1f} MiB over 100 saves"
+
+
+def test_stats_cli_table_json_and_plot(root, tmp_path, capsys):
+    from tiersave.cli import main
+
+    with tiersave.Checkpointer(root) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save_async(step, big_state(step, mib=1))
+    assert main(["stats", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [s["step"] for s in doc["saves"]] == [1, 2, 3] and doc["summary"]["committed"] == 3
+    png = tmp_path / "timeline.png"
+    assert main(["stats", str(root), "--plot", str(png)]) == 0
+    assert "blocked mean" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["stats", str(tmp_path / "missing")]) == 1
