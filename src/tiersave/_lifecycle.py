@@ -26,7 +26,7 @@ class _Hooked(Protocol):
 
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a SIGTERM handler may run while this thread holds it
 _atexit_installed = False
 _sigterm_installed = False
 _previous_handler: Any = None

@@ -200,6 +200,9 @@ class Checkpointer:
         Returns:
             True if no save was left unfinished. An unfinished save is reported as a warning; it is not
             visible (the previous checkpoint stays the newest).
+
+        Raises:
+            SaveError: the last save failed in the background and nobody observed its error.
         """
         if self._closed:
             return True
@@ -210,6 +213,7 @@ class Checkpointer:
         self._pool.shutdown(wait=finished)
         if finished:
             self._arena.release()
+            self._raise_unobserved()
         else:
             pending = self._inflight
             warnings.warn(
@@ -223,8 +227,14 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is already propagating: report a failed save, don't replace that exception
+            self.close()
+        except SaveError as err:
+            warnings.warn(str(err), TiersaveWarning, stacklevel=2)
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.storage.uri!r})"

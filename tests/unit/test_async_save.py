@@ -66,12 +66,21 @@ def test_changes_after_save_async_never_leak_into_the_checkpoint(root):
 def test_streaming_through_a_budget_smaller_than_the_state(root):
     state = big_state(2, mib=8)
     budget = 256 << 10  # 256 KiB of staging for an 8 MiB state
-    with tiersave.Checkpointer(root, staging_bytes=budget, io_threads=3) as ckpt:
-        handle = ckpt.save(1, state)
-        assert ckpt._arena.capacity <= budget
-        assert handle.stats.stage_wait_s > 0  # staging waited for writers to free ring space
-        manifest = ckpt.catalog.manifest(1)
-        assert manifest.chunk_bytes == budget // 2
+    gate = threading.Event()
+    storage = FaultyStorage(LocalStorage(root), gates={"write_at": gate})
+    with tiersave.Checkpointer(storage, staging_bytes=budget, io_threads=3) as ckpt:
+        result: dict = {}
+        saver = threading.Thread(target=lambda: result.update(handle=ckpt.save_async(1, state)))
+        saver.start()
+        saver.join(0.5)
+        assert saver.is_alive()  # back-pressure: the ring is full and no write may finish
+        gate.set()
+        saver.join(60)
+        handle = result["handle"]
+        handle.result(60)
+        assert ckpt._arena.capacity <= budget < handle.stats.stored_bytes
+        assert handle.stats.stage_wait_s > 0.4
+        assert ckpt.catalog.manifest(1).chunk_bytes == budget // 2
         assert_same(ckpt.restore(1), state)
         assert ckpt.verify(1).ok
 
@@ -131,6 +140,20 @@ def test_on_busy_skip_raise_and_wait(root):
         assert first.done() and ckpt.catalog.steps() == [1, 4]
     events = read_events(root / "tiersave-events.jsonl")
     assert [(e["step"], e["outcome"]) for e in events] == [(2, "skipped"), (1, "committed"), (4, "committed")]
+
+
+def test_close_raises_an_unobserved_background_failure(root):
+    storage = FaultyStorage(LocalStorage(root), [Fault("finish", 1)])
+    ckpt = tiersave.Checkpointer(storage)
+    ckpt.save_async(1, big_state(1, mib=1))
+    with pytest.raises(tiersave.SaveError, match="the save of step 1 failed and nobody observed it"):
+        ckpt.close()
+    with (
+        pytest.raises(tiersave.SaveError),
+        tiersave.Checkpointer(FaultyStorage(LocalStorage(root), [Fault("finish", 1)])) as c,
+    ):
+        c.save_async(2, big_state(2, mib=1))
+    assert tiersave.Checkpointer(root).catalog.steps() == []
 
 
 def test_close_waits_for_the_in_flight_save(root):
