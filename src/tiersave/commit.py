@@ -5,20 +5,44 @@ is written last, durably, inside it; the directory is renamed to ``step-N`` with
 exists, and the root is fsynced. A crash at any instant leaves either the old set of committed
 checkpoints or the old set plus the new one, never a partial checkpoint under a committed name.
 
-Call protocol (one save, one thread): ``begin(step)`` -> write shards under the returned prefix ->
-``commit(prefix, step, manifest)`` or ``abort(prefix)``.
+``MarkerCommit`` (object stores: no rename, but a create-only put): each save attempt writes its shards
+under its own prefix ``step-N/attempt-<token>/``; the manifest ``step-N/manifest.json`` is written last
+with a create-only put (``If-None-Match: *``), and that put is the commit. A prefix without a manifest is
+invisible. Two writers racing on one step both upload, only one create-only put succeeds, and the loser
+gets :class:`AlreadyExistsError`; since every attempt has its own prefix, no attempt ever overwrites an
+object of another, committed or not. A re-save after a crashed attempt simply uses a new prefix.
+
+Choose with :func:`commit_for` (by capabilities, never by type).
+
+Call protocol (one save, one thread): ``begin(step)`` -> write shards at ``f"{prefix}/{name}"`` and
+record ``shard_file(prefix, name)`` in the manifest -> ``commit(prefix, step, manifest)`` or
+``abort(prefix)``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import socket
+import time
 import zlib
+from dataclasses import dataclass
+from typing import Protocol
 
 from ._crash import crashpoint
-from .errors import AlreadyExistsError, ConfigError
-from .format.layout import MANIFEST_NAME, new_token, step_dirname, tmp_dirname
+from .errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    FormatError,
+    ObjectNotFoundError,
+    StorageError,
+)
+from .format.layout import MANIFEST_NAME, MAX_MANIFEST_BYTES, new_token, parse_step_dirname, step_dirname, tmp_dirname
 from .storage.base import Storage
+
+log = logging.getLogger(__name__)
 
 
 def _host_id() -> str:
@@ -30,18 +54,25 @@ def tmp_token() -> str:
     return f"{os.getpid()}-{_host_id()}-{new_token()}"
 
 
-def parse_tmp_owner(name: str) -> tuple[int, str] | None:
-    """The (pid, host id) that created a temporary directory, if its token has that form."""
-    token = name.partition(".tmp-")[2]
+def parse_token_owner(token: str) -> tuple[int, str] | None:
+    """The (pid, host id) in a token made by :func:`tmp_token`, if it has that form."""
     parts = token.split("-")
     if len(parts) != 3 or not parts[0].isdigit():
         return None
     return int(parts[0]), parts[1]
 
 
+def parse_tmp_owner(name: str) -> tuple[int, str] | None:
+    """The (pid, host id) that created a temporary directory, if its token has that form."""
+    return parse_token_owner(name.partition(".tmp-")[2])
+
+
 def owner_alive(name: str) -> bool | None:
     """True/False if the creator of ``name`` is known to be alive/dead on this host; None if unknown."""
-    owner = parse_tmp_owner(name)
+    return _alive(parse_tmp_owner(name))
+
+
+def _alive(owner: tuple[int, str] | None) -> bool | None:
     if owner is None or owner[1] != _host_id():
         return None
     try:
@@ -51,6 +82,43 @@ def owner_alive(name: str) -> bool | None:
     except PermissionError:
         return True
     return True
+
+
+class CommitStrategy(Protocol):
+    """How a save becomes visible on one storage. Implementations: RenameCommit, MarkerCommit.
+
+    Call protocol (one save, one thread): ``begin(step)`` -> write every shard at ``f"{prefix}/{name}"``
+    and make it durable -> build the manifest with ``shard_file(prefix, name)`` as each shard's ``file``
+    -> ``commit(prefix, step, manifest)``; on any failure ``abort(prefix)`` instead. Different saves may run
+    these sequences concurrently from different threads or processes.
+    """
+
+    storage: Storage
+
+    def begin(self, step: int) -> str:
+        """Check that ``step`` is not committed and return the prefix this attempt writes under.
+
+        Raises:
+            AlreadyExistsError: ``step`` is already committed (a checkpoint is never overwritten).
+        """
+        ...
+
+    def shard_file(self, prefix: str, name: str) -> str:
+        """The manifest's ``file`` for a shard written at ``f"{prefix}/{name}"``."""
+        ...
+
+    def commit(self, prefix: str, step: int, manifest: bytes) -> str:
+        """Write the manifest and make the checkpoint visible, atomically; returns its prefix (``step-N``).
+
+        Raises:
+            AlreadyExistsError: another writer committed ``step`` first; this attempt stays invisible and
+                the caller should ``abort(prefix)``.
+        """
+        ...
+
+    def abort(self, prefix: str) -> None:
+        """Remove what this attempt wrote. Never touches a committed checkpoint."""
+        ...
 
 
 class RenameCommit:
@@ -73,6 +141,10 @@ class RenameCommit:
         crashpoint("save_begin")
         return tmp_dirname(step, tmp_token())
 
+    def shard_file(self, prefix: str, name: str) -> str:
+        """Shards sit directly in the directory that the rename turns into ``step-N``."""
+        return name
+
     def commit(self, prefix: str, step: int, manifest: bytes) -> str:
         self.storage.put(f"{prefix}/{MANIFEST_NAME}", manifest, mode="create")  # fsyncs file and directory
         crashpoint("after_manifest")
@@ -83,3 +155,208 @@ class RenameCommit:
 
     def abort(self, prefix: str) -> None:
         self.storage.delete_prefix(prefix)
+
+
+ATTEMPT_PREFIX = "attempt-"
+_ATTEMPT_RE = re.compile(r"^attempt-([0-9]{1,10}-[0-9a-f]{8}-[0-9a-f]{16})$")
+
+
+def attempt_dirname(token: str) -> str:
+    """The per-attempt prefix component of a marker-committed save: ``attempt-<pid>-<host>-<random>``."""
+    return f"{ATTEMPT_PREFIX}{token}"
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """Data of a marker-committed save attempt that is not part of any committed checkpoint.
+
+    Attributes:
+        prefix: ``step-N/attempt-<token>``.
+        step: the step the attempt was saving.
+        status: ``"dead"`` (its process is gone, or it is older than the caller's age limit), ``"live"``
+            (a running process on this host) or ``"unknown"`` (made on another host).
+        step_committed: the step has a committed checkpoint (this attempt crashed or lost a race).
+    """
+
+    prefix: str
+    step: int
+    status: str
+    step_committed: bool
+
+
+class MarkerCommit:
+    """Commit by writing the manifest last with a create-only put (object stores, no atomic rename).
+
+    Layout of one step (docs/format.md sections 2 and 6)::
+
+        step-0000000100/manifest.json                           the commit (create-only put)
+        step-0000000100/attempt-<pid>-<host>-<rand>/shard-00000-000.bin
+
+    The manifest names shards as ``attempt-.../shard-...`` (a two-component shard path). Guarantees:
+
+    - invisible until committed: ``Catalog`` lists a step only when its manifest exists, and the manifest
+      is written only after every shard's upload completed;
+    - never overwritten: a committed step's manifest cannot be replaced (create-only), and its shards
+      live under a prefix no other attempt writes to;
+    - a racing second writer gets :class:`AlreadyExistsError` from :meth:`commit` and its own objects
+      are removed by :meth:`abort`;
+    - a lost response: if the manifest put succeeded but its response was lost and the retry answered
+      "exists", the stored manifest is read back and compared byte for byte (it names this attempt's
+      unique prefix), so the save is reported committed exactly when it is.
+
+    Thread safety: stateless; many saves may use one instance concurrently.
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        if not storage.capabilities.conditional_put:
+            raise ConfigError(f"{storage.uri} has no create-only put; a marker commit would not be atomic")
+        self.storage = storage
+
+    def begin(self, step: int) -> str:
+        final = step_dirname(step)
+        if self.storage.exists(f"{final}/{MANIFEST_NAME}"):
+            raise AlreadyExistsError(
+                f"step {step} is already committed in {self.storage.uri}; a checkpoint is never "
+                "overwritten: delete it first (tiersave prune) or save under another step",
+                tier=self.storage.uri,
+                key=final,
+            )
+        crashpoint("save_begin")
+        return f"{final}/{attempt_dirname(tmp_token())}"
+
+    def shard_file(self, prefix: str, name: str) -> str:
+        """``attempt-<token>/<name>``: shards are named relative to ``step-N``."""
+        return f"{self._split(prefix)[1]}/{name}"
+
+    def _split(self, prefix: str) -> tuple[int, str]:
+        head, _, attempt = prefix.partition("/")
+        step = parse_step_dirname(head)
+        if step is None or not _ATTEMPT_RE.match(attempt):
+            raise ConfigError(f"{prefix!r} is not a save prefix made by MarkerCommit.begin")
+        return step, attempt
+
+    def commit(self, prefix: str, step: int, manifest: bytes) -> str:
+        owner_step, _ = self._split(prefix)
+        if owner_step != step:
+            raise ConfigError(f"prefix {prefix!r} belongs to step {owner_step}, not {step}")
+        final = step_dirname(step)
+        key = f"{final}/{MANIFEST_NAME}"
+        try:
+            self.storage.put(key, manifest, mode="create")
+        except AlreadyExistsError:
+            if not self._is_ours(key, manifest):
+                raise AlreadyExistsError(
+                    f"step {step} was committed by another writer in {self.storage.uri} while this save was "
+                    f"uploading; the committed checkpoint is unchanged and this attempt ({prefix}) is discarded",
+                    tier=self.storage.uri,
+                    key=key,
+                ) from None
+            log.info("manifest of step %s in %s was already ours (a retried put)", step, self.storage.uri)
+        crashpoint("after_manifest")
+        crashpoint("after_commit")
+        return final
+
+    def _is_ours(self, key: str, manifest: bytes) -> bool:
+        try:
+            return self.storage.get(key, max_bytes=len(manifest)) == manifest
+        except (FormatError, ObjectNotFoundError):
+            return False
+
+    def abort(self, prefix: str) -> None:
+        """Delete this attempt's objects and abort its unfinished multipart uploads (best effort for the
+        latter: a storage without that housekeeping, or without the credentials for it, is skipped)."""
+        self._split(prefix)
+        self.storage.delete_prefix(prefix)
+        _abort_uploads(self.storage, prefix, older_than_s=None)
+
+    # -- leftovers ---------------------------------------------------------------------------------
+
+    def leftovers(self, *, older_than_s: float | None = None) -> list[Leftover]:
+        """Attempt prefixes that belong to no committed checkpoint, with their status.
+
+        Args:
+            older_than_s: an attempt made on another host (status unknown) whose newest object is at
+                least this old counts as dead (saves do not run for days). None: never.
+        """
+        out = []
+        now = time.time()
+        for name in self.storage.list_dirs(""):
+            step = parse_step_dirname(name)
+            if step is None:
+                continue
+            attempts = [a for a in self.storage.list_dirs(name) if _ATTEMPT_RE.match(a)]
+            if not attempts:
+                continue
+            referenced = self._referenced(step)
+            committed = referenced is not None
+            for attempt in attempts:
+                if referenced is not None and (attempt in referenced or "*" in referenced):
+                    continue
+                prefix = f"{name}/{attempt}"
+                alive = _alive(parse_token_owner(attempt[len(ATTEMPT_PREFIX) :]))
+                status = "live" if alive else "dead" if alive is False else "unknown"
+                if status == "unknown" and older_than_s is not None:
+                    newest = max((info.mtime for info in self.storage.list(prefix)), default=0.0)
+                    if now - newest >= older_than_s:
+                        status = "dead"
+                out.append(Leftover(prefix, step, status, committed))
+        return out
+
+    def _referenced(self, step: int) -> set[str] | None:
+        """Attempt names the committed manifest of ``step`` uses; None if not committed; ``{"*"}`` if the
+        manifest cannot be read (then nothing of that step is touched)."""
+        from .format.manifest import Manifest
+
+        key = f"{step_dirname(step)}/{MANIFEST_NAME}"
+        try:
+            data = self.storage.get(key, max_bytes=MAX_MANIFEST_BYTES)
+        except ObjectNotFoundError:
+            return None
+        except (FormatError, StorageError):
+            return {"*"}
+        try:
+            manifest = Manifest.parse(data, path=f"{self.storage.uri}/{key}", expect_step=step)
+        except (FormatError, CheckpointNotFoundError):
+            return {"*"}
+        return {s.file.split("/", 1)[0] for s in manifest.shards if "/" in s.file}
+
+    def clean_leftovers(self, *, force: bool = False, older_than_s: float | None = None) -> list[str]:
+        """Remove dead attempts (and ``unknown`` ones with ``force``); a live save is never touched.
+
+        Returns:
+            The prefixes removed.
+        """
+        removed = []
+        for item in self.leftovers(older_than_s=older_than_s):
+            if item.status == "dead" or (item.status == "unknown" and force):
+                self.storage.delete_prefix(item.prefix)
+                _abort_uploads(self.storage, item.prefix, older_than_s=None)
+                removed.append(item.prefix)
+        return removed
+
+
+def _abort_uploads(storage: Storage, prefix: str, *, older_than_s: float | None) -> None:
+    abort = getattr(storage, "abort_multipart_uploads", None)
+    if abort is None:
+        return
+    try:
+        abort(prefix, older_than_s=older_than_s)
+    except ConfigError as exc:  # no static credentials for the housekeeping requests
+        log.debug("cannot abort multipart uploads under %s on %s: %s", prefix, storage.uri, exc)
+
+
+def commit_for(storage: Storage) -> RenameCommit | MarkerCommit:
+    """The commit strategy for ``storage``, chosen by its capabilities.
+
+    Atomic rename (local disk, /dev/shm, POSIX shared file systems) -> :class:`RenameCommit`; otherwise a
+    create-only put (object stores) -> :class:`MarkerCommit`.
+
+    Raises:
+        ConfigError: the storage offers neither, so no save on it could be atomic.
+    """
+    caps = storage.capabilities
+    if caps.atomic_rename:
+        return RenameCommit(storage)
+    if caps.conditional_put:
+        return MarkerCommit(storage)
+    raise ConfigError(f"{storage.uri} has neither atomic rename nor a create-only put: no atomic commit is possible")
