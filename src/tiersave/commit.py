@@ -293,12 +293,13 @@ class MarkerCommit:
                 if referenced is not None and (attempt in referenced or "*" in referenced):
                     continue
                 prefix = f"{name}/{attempt}"
+                mtimes = [info.mtime for info in self.storage.list(prefix)]
+                if not mtimes:
+                    continue  # an empty "directory" some stores (SeaweedFS) keep after deletes: nothing to free
                 alive = _alive(parse_token_owner(attempt[len(ATTEMPT_PREFIX) :]))
                 status = "live" if alive else "dead" if alive is False else "unknown"
-                if status == "unknown" and older_than_s is not None:
-                    newest = max((info.mtime for info in self.storage.list(prefix)), default=0.0)
-                    if now - newest >= older_than_s:
-                        status = "dead"
+                if status == "unknown" and older_than_s is not None and now - max(mtimes) >= older_than_s:
+                    status = "dead"
                 out.append(Leftover(prefix, step, status, committed))
         return out
 

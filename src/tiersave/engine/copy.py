@@ -1,0 +1,398 @@
+"""Copy committed checkpoints between any two storages, verifying every chunk on the way.
+
+Scope: one committed checkpoint from a source :class:`~tiersave.storage.base.Storage` to a destination
+one (memory -> local -> object store as a background drain, or ``tiersave copy`` to migrate between
+clusters and buckets). Chunks stream through a bounded pool of reusable buffers: each chunk is read from
+the source, checked against the manifest's CRC-32C, and written at the same offset on the destination.
+The destination copy is written with the destination's own commit protocol (``commit_for``), so it
+becomes visible only once complete, and, with ``read_back=True``, only after every chunk was read back
+from the destination and checked again. Anti-scope: deciding what to copy when (the TierChain), torch.
+
+Memory: at most ``buffer_bytes`` (default 256 MiB, at least two chunks) of chunk buffers, plus what the
+destination's writer buffers (an S3 writer's ``write_buffer``).
+
+Thread safety: ``copy_checkpoint`` may run concurrently for different steps or destinations; one call
+uses the caller's thread to schedule and ``io_threads`` workers to move bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .. import knobs
+from ..catalog import Catalog
+from ..commit import commit_for
+from ..errors import AlreadyExistsError, ConfigError, CorruptCheckpointError
+from ..format.checksum import chunk_ranges, crc32c_hex
+from ..format.layout import MANIFEST_NAME, shard_filename, step_dirname
+from ..format.manifest import Manifest, ShardInfo
+from ..storage.base import BlobReader, BlobWriter, Storage
+from .buffers import aligned_buffer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CopyResult", "copy_checkpoint", "copy_checkpoints", "same_checkpoint"]
+
+DEFAULT_BUFFER_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    """One checkpoint copied (or found already present).
+
+    Attributes:
+        step: the step.
+        source: URI of the source checkpoint.
+        destination: URI of the destination checkpoint.
+        tensor_bytes: tensor bytes copied and verified (0 when skipped).
+        stored_bytes: shard bytes of the checkpoint, padding included.
+        seconds: wall time.
+        skipped: the destination already held this very checkpoint; nothing was written.
+        read_back: every chunk was read back from the destination and verified before the commit.
+    """
+
+    step: int
+    source: str
+    destination: str
+    tensor_bytes: int
+    stored_bytes: int
+    seconds: float
+    skipped: bool = False
+    read_back: bool = False
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.tensor_bytes / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "source": self.source,
+            "destination": self.destination,
+            "tensor_bytes": self.tensor_bytes,
+            "stored_bytes": self.stored_bytes,
+            "seconds": round(self.seconds, 6),
+            "skipped": self.skipped,
+            "read_back": self.read_back,
+        }
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    shard: int
+    offset: int  # in the shard
+    length: int
+    crc: str
+    tensor: str
+    index: int
+
+
+def same_checkpoint(a: Manifest, b: Manifest) -> bool:
+    """True when two manifests describe the same checkpoint (same step, commit time, tensors and bytes),
+    wherever its shards are stored."""
+    if (a.step, a.created_at, a.chunk_bytes) != (b.step, b.created_at, b.chunk_bytes):
+        return False
+    if a.tensors.keys() != b.tensors.keys():
+        return False
+    for name, ta in a.tensors.items():
+        tb = b.tensors[name]
+        if (ta.dtype, ta.shape, ta.nbytes, ta.crc32c) != (tb.dtype, tb.shape, tb.nbytes, tb.crc32c):
+            return False
+    return bool(a.tree == b.tree)
+
+
+def _destination_names(manifest: Manifest) -> list[str]:
+    """Single-component shard names for the destination (it may add its own attempt prefix)."""
+    names = [s.file.rsplit("/", 1)[-1] for s in manifest.shards]
+    if len(set(names)) == len(names):
+        return names
+    return [shard_filename(s.rank, i) for i, s in enumerate(manifest.shards)]
+
+
+def _chunks(manifest: Manifest) -> list[_Chunk]:
+    out = []
+    for entry in sorted(manifest.tensors.values(), key=lambda t: (t.shard, t.offset)):
+        for i, (off, length) in enumerate(chunk_ranges(entry.nbytes, manifest.chunk_bytes)):
+            out.append(_Chunk(entry.shard, entry.offset + off, length, entry.crc32c[i], entry.name, i))
+    return out
+
+
+class _Pump:
+    """Runs a function over chunks on a pool, each with a buffer from a bounded set; stops at the first
+    error and re-raises it after every started task has returned."""
+
+    def __init__(self, executor: Executor, buffers: int, chunk_bytes: int) -> None:
+        self.executor = executor
+        self.free: queue.Queue[memoryview] = queue.Queue()
+        for _ in range(buffers):
+            self.free.put(aligned_buffer(chunk_bytes))
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+
+    def run(self, chunks: Iterable[_Chunk], work: Callable[[_Chunk, memoryview], None]) -> None:
+        futures: list[Future[None]] = []
+        for chunk in chunks:
+            buf = self.free.get()
+            if self.error is not None:
+                self.free.put(buf)
+                break
+            futures.append(self.executor.submit(self._task, work, chunk, buf))
+        wait(futures)
+        if self.error is not None:
+            raise self.error
+
+    def _task(self, work: Callable[[_Chunk, memoryview], None], chunk: _Chunk, buf: memoryview) -> None:
+        try:
+            if self.error is None:
+                work(chunk, buf[: chunk.length])
+        except BaseException as exc:
+            with self.lock:
+                if self.error is None:
+                    self.error = exc
+        finally:
+            self.free.put(buf)
+
+
+def copy_checkpoint(
+    src: Storage,
+    dst: Storage,
+    step: int,
+    *,
+    if_exists: Literal["error", "skip"] = "error",
+    read_back: bool = False,
+    io_threads: int | None = None,
+    buffer_bytes: int | None = None,
+    executor: Executor | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> CopyResult:
+    """Copy the committed checkpoint of ``step`` from ``src`` to ``dst``, verified, atomically.
+
+    Every chunk read from ``src`` is checked against the manifest's CRC-32C before it is written, so a
+    corrupt source is detected and nothing is committed on ``dst``. The destination copy is committed
+    with ``commit_for(dst)`` (rename or create-only manifest) only after every shard is durable there and,
+    with ``read_back``, re-read and verified. On any failure the destination's partial data is removed
+    and the error re-raised; a committed checkpoint on ``dst`` is never modified.
+
+    Args:
+        src: where the checkpoint is committed.
+        dst: where to copy it.
+        step: the step.
+        if_exists: ``"error"``: raise :class:`AlreadyExistsError` if ``dst`` has ``step``; ``"skip"``:
+            return a skipped result if ``dst`` holds the same checkpoint (and still raise if it holds a
+            different checkpoint of that step).
+        read_back: re-read every chunk from ``dst`` and verify it before committing.
+        io_threads: parallel chunk transfers (default ``TIERSAVE_IO_THREADS``).
+        buffer_bytes: memory for chunk buffers (default 256 MiB; at least two chunks are used).
+        executor: run transfers on this pool instead of a private one.
+        progress: called with ``(bytes_done, bytes_total)`` after each chunk (from worker threads).
+
+    Returns:
+        What was copied.
+
+    Raises:
+        CheckpointNotFoundError: ``src`` has no committed checkpoint of ``step``.
+        CorruptCheckpointError: a source chunk (or, with ``read_back``, a destination chunk) failed its
+            checksum, or a shard has the wrong size.
+        AlreadyExistsError: ``dst`` already has ``step`` (see ``if_exists``), or another writer committed
+            it while copying.
+        StorageError: I/O on either side failed.
+    """
+    if if_exists not in ("error", "skip"):
+        raise ConfigError(f"if_exists must be 'error' or 'skip', got {if_exists!r}")
+    started = time.perf_counter()
+    source = Catalog(src)
+    manifest = source.manifest(step)
+    src_location = source.location(step)
+    dst_location = f"{dst.uri.rstrip('/')}/{step_dirname(step)}"
+    existing = _existing(dst, step)
+    if existing is not None:
+        if if_exists == "skip" and same_checkpoint(existing, manifest):
+            return CopyResult(
+                step, src_location, dst_location, 0, manifest.stored_bytes, time.perf_counter() - started, skipped=True
+            )
+        detail = "the same checkpoint" if same_checkpoint(existing, manifest) else "a different checkpoint"
+        raise AlreadyExistsError(
+            f"{dst.uri} already has step {step} ({detail}); a checkpoint is never overwritten",
+            tier=dst.uri,
+            key=step_dirname(step),
+        )
+
+    threads = io_threads if io_threads is not None else knobs.io_threads()
+    if not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"io_threads must be a positive integer, got {threads!r}")
+    budget = buffer_bytes if buffer_bytes is not None else DEFAULT_BUFFER_BYTES
+    nbuffers = max(2, min(threads + 1, budget // manifest.chunk_bytes))
+    own_pool = executor is None
+    pool = executor or ThreadPoolExecutor(threads, thread_name_prefix="tiersave-copy")
+    commit = commit_for(dst)
+    prefix = commit.begin(step)
+    names = _destination_names(manifest)
+    writers: list[BlobWriter] = []
+    chunks = _chunks(manifest)
+    total = sum(c.length for c in chunks)
+    done = [0]
+    done_lock = threading.Lock()
+
+    def advance(n: int) -> None:
+        if progress is None:
+            return
+        with done_lock:
+            done[0] += n
+            value = done[0]
+        progress(value, total * (2 if read_back else 1))
+
+    try:
+        with source.open(step) as ckpt:
+            for index in range(len(manifest.shards)):
+                ckpt.reader(index)  # open and size-check every source shard before writing anything
+            for name in names:  # one by one: if an open fails, those already open are aborted below
+                writers.append(dst.open_writer(f"{prefix}/{name}"))  # noqa: PERF401
+
+            def transfer(chunk: _Chunk, view: memoryview) -> None:
+                ckpt.reader(chunk.shard).read_into(chunk.offset, view)
+                _check(view, chunk, manifest, src_location)
+                writers[chunk.shard].write_at(chunk.offset, view)
+                advance(chunk.length)
+
+            pump = _Pump(pool, nbuffers, manifest.chunk_bytes)
+            pump.run(chunks, transfer)
+            for writer, shard in zip(writers, manifest.shards):
+                writer.finish(shard.size)
+        new_manifest = dataclasses.replace(
+            manifest,
+            shards=tuple(
+                ShardInfo(commit.shard_file(prefix, name), s.rank, s.size) for name, s in zip(names, manifest.shards)
+            ),
+        )
+        data = new_manifest.to_json()
+        Manifest.parse(data, path=f"{dst_location}/{MANIFEST_NAME}", expect_step=step)
+        if read_back:
+            _read_back(dst, prefix, names, manifest, dst_location, pool, nbuffers, advance)
+        commit.commit(prefix, step, data)
+    except BaseException:
+        for writer in writers:
+            try:
+                writer.abort()
+            except Exception:
+                log.warning("could not discard %s after a failed copy", writer.key, exc_info=True)
+        try:
+            commit.abort(prefix)
+        except Exception:
+            log.warning("could not remove %s from %s after a failed copy", prefix, dst.uri, exc_info=True)
+        raise
+    finally:
+        if own_pool:
+            pool.shutdown(wait=True)
+    return CopyResult(
+        step,
+        src_location,
+        dst_location,
+        manifest.total_bytes,
+        manifest.stored_bytes,
+        time.perf_counter() - started,
+        read_back=read_back,
+    )
+
+
+def _existing(dst: Storage, step: int) -> Manifest | None:
+    if not dst.exists(f"{step_dirname(step)}/{MANIFEST_NAME}"):
+        return None
+    return Catalog(dst).manifest(step)
+
+
+def _check(view: memoryview, chunk: _Chunk, manifest: Manifest, where: str) -> None:
+    actual = crc32c_hex(view)
+    if actual != chunk.crc:
+        file = manifest.shards[chunk.shard].file
+        raise CorruptCheckpointError(
+            f"checksum mismatch in {where}, step {manifest.step}, file {file}, tensor {chunk.tensor!r}, "
+            f"chunk {chunk.index} (bytes {chunk.offset}..{chunk.offset + chunk.length}): "
+            f"expected {chunk.crc}, got {actual}",
+            step=manifest.step,
+            file=file,
+            tensor=chunk.tensor,
+        )
+
+
+def _read_back(
+    dst: Storage,
+    prefix: str,
+    names: Sequence[str],
+    manifest: Manifest,
+    where: str,
+    pool: Executor,
+    nbuffers: int,
+    advance: Callable[[int], None],
+) -> None:
+    readers: list[BlobReader] = []
+    try:
+        for name, shard in zip(names, manifest.shards):
+            reader = dst.open_reader(f"{prefix}/{name}")
+            readers.append(reader)
+            if reader.size != shard.size:
+                raise CorruptCheckpointError(
+                    f"{where}: shard {name} is {reader.size} bytes after the copy, expected {shard.size}",
+                    step=manifest.step,
+                    file=name,
+                )
+
+        def verify(chunk: _Chunk, view: memoryview) -> None:
+            readers[chunk.shard].read_into(chunk.offset, view)
+            _check(view, chunk, manifest, f"{where} (read back)")
+            advance(chunk.length)
+
+        _Pump(pool, nbuffers, manifest.chunk_bytes).run(_chunks(manifest), verify)
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+def copy_checkpoints(
+    src: Storage,
+    dst: Storage,
+    steps: Sequence[int] | None = None,
+    *,
+    if_exists: Literal["error", "skip"] = "skip",
+    read_back: bool = False,
+    io_threads: int | None = None,
+    buffer_bytes: int | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> list[CopyResult]:
+    """Copy several committed checkpoints (default: all of ``src``), oldest first, sharing one pool.
+
+    Args:
+        steps: the steps to copy; None copies every committed step of ``src``.
+        progress: called with ``(step, bytes_done, bytes_total)``.
+        Others: as :func:`copy_checkpoint`.
+
+    Stops at the first failure and raises it; checkpoints copied before it stay committed.
+    """
+    chosen = sorted(Catalog(src).steps() if steps is None else steps)
+    threads = io_threads if io_threads is not None else knobs.io_threads()
+    results = []
+    with ThreadPoolExecutor(threads, thread_name_prefix="tiersave-copy") as pool:
+        for step in chosen:
+            report = functools.partial(progress, step) if progress is not None else None
+            results.append(
+                copy_checkpoint(
+                    src,
+                    dst,
+                    step,
+                    if_exists=if_exists,
+                    read_back=read_back,
+                    io_threads=threads,
+                    buffer_bytes=buffer_bytes,
+                    executor=pool,
+                    progress=report,
+                )
+            )
+    return results
