@@ -25,10 +25,11 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ._crash import crashpoint
 from .errors import (
@@ -173,15 +174,31 @@ class Leftover:
     Attributes:
         prefix: ``step-N/attempt-<token>``.
         step: the step the attempt was saving.
-        status: ``"dead"`` (its process is gone, or it is older than the caller's age limit), ``"live"``
-            (a running process on this host) or ``"unknown"`` (made on another host).
+        status: ``"dead"`` (its process is gone, it was abandoned by a process that is still running, or
+            it is older than the caller's age limit), ``"live"`` (a save in progress) or ``"unknown"``
+            (made on another host).
         step_committed: the step has a committed checkpoint (this attempt crashed or lost a race).
+        objects: objects stored under the prefix.
+        uploads: unfinished multipart uploads under the prefix (invisible, but stored and billed).
     """
 
     prefix: str
     step: int
     status: str
     step_committed: bool
+    objects: int = 0
+    uploads: int = 0
+
+
+# Attempts begun by this process and not yet committed or aborted: an attempt of this pid that is not
+# here was abandoned (its abort failed, e.g. the server was down) and is garbage, although we are alive.
+_ACTIVE: set[str] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+def _own_token(token: str) -> bool:
+    owner = parse_token_owner(token)
+    return owner is not None and owner == (os.getpid(), _host_id())
 
 
 class MarkerCommit:
@@ -204,7 +221,11 @@ class MarkerCommit:
       "exists", the stored manifest is read back and compared byte for byte (it names this attempt's
       unique prefix), so the save is reported committed exactly when it is.
 
-    Thread safety: stateless; many saves may use one instance concurrently.
+    Leftovers (attempts that crashed, lost a race, or whose abort could not reach the store) are found
+    and removed by :meth:`leftovers` / :meth:`clean_leftovers`, including unfinished multipart uploads.
+
+    Thread safety: many saves may use one instance, or several instances, concurrently (the in-process
+    record of live attempts is shared and locked).
     """
 
     def __init__(self, storage: Storage) -> None:
@@ -222,7 +243,10 @@ class MarkerCommit:
                 key=final,
             )
         crashpoint("save_begin")
-        return f"{final}/{attempt_dirname(tmp_token())}"
+        prefix = f"{final}/{attempt_dirname(tmp_token())}"
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(prefix)
+        return prefix
 
     def shard_file(self, prefix: str, name: str) -> str:
         """``attempt-<token>/<name>``: shards are named relative to ``step-N``."""
@@ -252,6 +276,8 @@ class MarkerCommit:
                     key=key,
                 ) from None
             log.info("manifest of step %s in %s was already ours (a retried put)", step, self.storage.uri)
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(prefix)
         crashpoint("after_manifest")
         crashpoint("after_commit")
         return final
@@ -266,41 +292,68 @@ class MarkerCommit:
         """Delete this attempt's objects and abort its unfinished multipart uploads (best effort for the
         latter: a storage without that housekeeping, or without the credentials for it, is skipped)."""
         self._split(prefix)
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(prefix)  # from now on a leftover of it is garbage, even if this delete fails
         self.storage.delete_prefix(prefix)
-        _abort_uploads(self.storage, prefix, older_than_s=None)
+        _abort_uploads(self.storage, prefix)
 
     # -- leftovers ---------------------------------------------------------------------------------
 
     def leftovers(self, *, older_than_s: float | None = None) -> list[Leftover]:
-        """Attempt prefixes that belong to no committed checkpoint, with their status.
+        """Attempt prefixes that belong to no committed checkpoint and still hold objects or unfinished
+        multipart uploads, with their status.
 
         Args:
-            older_than_s: an attempt made on another host (status unknown) whose newest object is at
-                least this old counts as dead (saves do not run for days). None: never.
+            older_than_s: an attempt made on another host (status unknown) whose newest object or upload
+                is at least this old counts as dead (saves do not run for days). None: never.
         """
-        out = []
-        now = time.time()
+        found: dict[str, dict[str, float | int]] = {}
         for name in self.storage.list_dirs(""):
-            step = parse_step_dirname(name)
-            if step is None:
+            if parse_step_dirname(name) is None:
                 continue
-            attempts = [a for a in self.storage.list_dirs(name) if _ATTEMPT_RE.match(a)]
-            if not attempts:
-                continue
-            referenced = self._referenced(step)
-            committed = referenced is not None
-            for attempt in attempts:
-                if referenced is not None and (attempt in referenced or "*" in referenced):
+            for attempt in self.storage.list_dirs(name):
+                if not _ATTEMPT_RE.match(attempt):
                     continue
                 prefix = f"{name}/{attempt}"
                 mtimes = [info.mtime for info in self.storage.list(prefix)]
-                if not mtimes:
-                    continue  # an empty "directory" some stores (SeaweedFS) keep after deletes: nothing to free
-                alive = _alive(parse_token_owner(attempt[len(ATTEMPT_PREFIX) :]))
+                if mtimes:  # some stores (SeaweedFS) keep empty "directories" after deletes: skip those
+                    entry = found.setdefault(prefix, {"objects": 0, "uploads": 0, "newest": 0.0})
+                    entry["objects"] = len(mtimes)
+                    entry["newest"] = max(mtimes)
+        for upload in _list_uploads(self.storage):
+            parts = upload.key.split("/")
+            if len(parts) < 3 or parse_step_dirname(parts[0]) is None or not _ATTEMPT_RE.match(parts[1]):
+                continue
+            entry = found.setdefault(f"{parts[0]}/{parts[1]}", {"objects": 0, "uploads": 0, "newest": 0.0})
+            entry["uploads"] = int(entry["uploads"]) + 1
+            entry["newest"] = max(float(entry["newest"]), upload.initiated)
+        out = []
+        now = time.time()
+        referenced_by_step: dict[int, set[str] | None] = {}
+        with _ACTIVE_LOCK:
+            active = set(_ACTIVE)
+        for prefix in sorted(found):
+            entry = found[prefix]
+            head, _, attempt = prefix.partition("/")
+            step = parse_step_dirname(head)
+            if step is None:
+                continue
+            if step not in referenced_by_step:
+                referenced_by_step[step] = self._referenced(step)
+            referenced = referenced_by_step[step]
+            if referenced is not None and (attempt in referenced or "*" in referenced):
+                continue
+            token = attempt[len(ATTEMPT_PREFIX) :]
+            if _own_token(token):
+                status = "live" if prefix in active else "dead"
+            else:
+                alive = _alive(parse_token_owner(token))
                 status = "live" if alive else "dead" if alive is False else "unknown"
-                if status == "unknown" and older_than_s is not None and now - max(mtimes) >= older_than_s:
-                    status = "dead"
-                out.append(Leftover(prefix, step, status, committed))
+            if status == "unknown" and older_than_s is not None and now - float(entry["newest"]) >= older_than_s:
+                status = "dead"
+            out.append(
+                Leftover(prefix, step, status, referenced is not None, int(entry["objects"]), int(entry["uploads"]))
+            )
         return out
 
     def _referenced(self, step: int) -> set[str] | None:
@@ -322,7 +375,12 @@ class MarkerCommit:
         return {s.file.split("/", 1)[0] for s in manifest.shards if "/" in s.file}
 
     def clean_leftovers(self, *, force: bool = False, older_than_s: float | None = None) -> list[str]:
-        """Remove dead attempts (and ``unknown`` ones with ``force``); a live save is never touched.
+        """Remove dead attempts: their objects and their unfinished multipart uploads. ``unknown`` ones
+        (another host's) go too with ``force``; a live save is never touched.
+
+        Args:
+            force: also remove attempts of unknown status.
+            older_than_s: see :meth:`leftovers`.
 
         Returns:
             The prefixes removed.
@@ -330,18 +388,31 @@ class MarkerCommit:
         removed = []
         for item in self.leftovers(older_than_s=older_than_s):
             if item.status == "dead" or (item.status == "unknown" and force):
-                self.storage.delete_prefix(item.prefix)
-                _abort_uploads(self.storage, item.prefix, older_than_s=None)
+                if item.objects:
+                    self.storage.delete_prefix(item.prefix)
+                if item.uploads:
+                    _abort_uploads(self.storage, item.prefix)
                 removed.append(item.prefix)
         return removed
 
 
-def _abort_uploads(storage: Storage, prefix: str, *, older_than_s: float | None) -> None:
+def _list_uploads(storage: Storage) -> list[Any]:
+    lister = getattr(storage, "list_multipart_uploads", None)
+    if lister is None:
+        return []
+    try:
+        return list(lister(""))
+    except ConfigError as exc:  # no static credentials for the housekeeping requests
+        log.debug("cannot list multipart uploads on %s: %s", storage.uri, exc)
+        return []
+
+
+def _abort_uploads(storage: Storage, prefix: str) -> None:
     abort = getattr(storage, "abort_multipart_uploads", None)
     if abort is None:
         return
     try:
-        abort(prefix, older_than_s=older_than_s)
+        abort(prefix)
     except ConfigError as exc:  # no static credentials for the housekeeping requests
         log.debug("cannot abort multipart uploads under %s on %s: %s", prefix, storage.uri, exc)
 

@@ -192,7 +192,13 @@ class SeaweedServer:
     def _probe(self) -> None:
         with socket.create_connection(("127.0.0.1", self.s3_port), timeout=1):
             pass
-        self.storage("tiersave-probe", retries=0, timeout="5s").list_dirs("")
+        # A data write, not just a listing: the S3 gateway answers before the volume server has joined.
+        probe = self.storage("tiersave-probe", retries=0, timeout="5s")
+        payload = os.urandom(256 << 10)
+        probe.put("probe", payload)
+        if probe.get("probe") != payload:
+            raise RuntimeError("probe object read back wrong")
+        probe.delete("probe")
 
     def log_tail(self, lines: int = 30) -> str:
         try:
