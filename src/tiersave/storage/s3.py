@@ -698,9 +698,19 @@ class S3BlobReader:
 class _Block:
     __slots__ = ("buf", "filled")
 
-    def __init__(self, size: int) -> None:
-        self.buf = bytearray(size)
+    def __init__(self, buf: bytearray) -> None:
+        self.buf = buf
         self.filled = 0
+
+
+_ZEROS: dict[int, bytes] = {}
+
+
+def _zeros(size: int) -> bytes:
+    block = _ZEROS.get(size)
+    if block is None:
+        block = _ZEROS[size] = bytes(size)
+    return block
 
 
 class _Aborted(Exception):
@@ -736,6 +746,8 @@ class S3BlobWriter:
         self._state = "open"  # open | finishing | done | aborted | failed
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._free: list[bytearray] = []
+        self._max_free = max(2, self._window // self._part)
 
     # -- producer side ----------------------------------------------------------------------------
 
@@ -769,7 +781,7 @@ class S3BlobWriter:
             for index in range(first, last + 1):
                 block = self._blocks.get(index)
                 if block is None:
-                    block = self._blocks[index] = _Block(part)
+                    block = self._blocks[index] = _Block(self._new_buffer())
                 blocks.append(block)
         # Copy outside the lock: blocks are not handed over before their bytes are counted below.
         spans = []
@@ -785,6 +797,14 @@ class S3BlobWriter:
             start_upload = self._thread is None and self._state == "open" and self._full(0)
             if start_upload:
                 self._start_upload()
+
+    def _new_buffer(self) -> bytearray:
+        """A zeroed part buffer: a recycled one if any (fresh pages cost a page fault each), else new."""
+        if self._free:
+            buf = self._free.pop()
+            buf[:] = _zeros(self._part)
+            return buf
+        return bytearray(self._part)
 
     def _check_writable(self) -> None:
         if self._error is not None:
@@ -829,6 +849,11 @@ class S3BlobWriter:
                 self._next = index + 1
                 self._cond.notify_all()  # the window moved: waiting writers may go on
             yield memoryview(buf)[:length]
+            # obstore copied the part before asking for the next one: the buffer can be reused.
+            if len(buf) == part:
+                with self._cond:
+                    if len(self._free) < self._max_free:
+                        self._free.append(buf)
 
     def _upload(self) -> None:
         opts = self._storage.options
@@ -888,12 +913,14 @@ class S3BlobWriter:
             if self._state == "aborted":
                 raise StorageError(f"{self.key!r}: aborted during finish", tier=self._storage.uri, key=self.key)
             self._state = "done"
+            self._free = []
 
     def abort(self) -> None:
         with self._cond:
             previous = self._state
             self._state = "aborted"
             self._blocks.clear()
+            self._free = []
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
