@@ -20,3 +20,73 @@ class TestS3Storage(StorageConformanceTests):
     def reopen(self, storage):
         opts = storage.options
         return S3Storage(opts)  # same options (credentials are not in the URI)
+
+
+def test_recycled_part_buffers_read_as_zeros_in_gaps(s3_storage):
+    """Part buffers are reused once obstore has copied them; gaps in a later part must still be zeros."""
+    import time
+
+    part = s3_storage.options.part_bytes
+    writer = s3_storage.open_writer("recycled.bin")
+    writer.write_at(0, memoryview(b"\xff" * (3 * part)))
+    deadline = time.monotonic() + 30
+    while not writer._free and time.monotonic() < deadline:  # wait until a used buffer came back
+        time.sleep(0.01)
+    assert writer._free, "no part buffer was recycled"
+    writer.write_at(4 * part + 100, memoryview(b"\x07" * 10))
+    writer.finish(5 * part + 4096)
+    data = s3_storage.get("recycled.bin")
+    expected = bytearray(5 * part + 4096)
+    expected[: 3 * part] = b"\xff" * (3 * part)
+    expected[4 * part + 100 : 4 * part + 110] = b"\x07" * 10
+    assert data == expected
+
+
+def test_uri_options_and_redaction(seaweed):
+    from tiersave.errors import ConfigError
+    from tiersave.storage import open_storage
+    from tiersave.storage.s3 import S3Options
+
+    opts = S3Options.from_uri(
+        "s3://my-bucket/a/b/?endpoint=http://h:1/&region=eu-west-1&part_size=8MiB&retries=3&timeout=90s"
+        "&access_key_id=AK&secret_access_key=SECRET&upload_concurrency=4&unsigned_payload=false",
+        env={},
+    )
+    assert (opts.bucket, opts.prefix, opts.endpoint, opts.region) == ("my-bucket", "a/b", "http://h:1", "eu-west-1")
+    assert (opts.part_bytes, opts.max_retries, opts.timeout_s, opts.upload_concurrency) == (8 << 20, 3, 90.0, 4)
+    assert opts.http_allowed and not opts.unsigned_payload
+    assert opts.uri == "s3://my-bucket/a/b" and "SECRET" not in repr(opts)
+    env = {
+        "AWS_ENDPOINT_URL_S3": "http://e:2",
+        "AWS_REGION": "ap-south-1",
+        "AWS_ACCESS_KEY_ID": "K",
+        "AWS_SECRET_ACCESS_KEY": "S",
+    }
+    opts = S3Options.from_uri("s3://bucket-x", env=env)
+    assert (opts.endpoint, opts.region, opts.access_key_id, opts.prefix) == ("http://e:2", "ap-south-1", "K", "")
+    for bad in (
+        "s3://ab",
+        "s3://Bucket",
+        "s3://b-1/x?part_size=1MiB",
+        "s3://b-1/x?nope=1",
+        "s3://user:pw@bucket/x",
+        "s3://b-1/../x",
+        "s3://b-1?retries=x",
+        "s3://b-1?allow_http=maybe",
+        "s3://b-1?access_key_id=only",
+    ):
+        with pytest.raises(ConfigError):
+            open_storage(bad)
+
+
+def test_errors_name_tier_key_and_code(s3_storage, seaweed):
+    from tiersave.errors import ObjectNotFoundError, PermissionDeniedError
+
+    with pytest.raises(ObjectNotFoundError, match=r"reading 'nope/x' on s3://.*/root/prefix failed: HTTP 404"):
+        s3_storage.get("nope/x")
+    wrong = S3Storage.from_uri(seaweed.uri("no-such-bucket-here"), env={}, access_key_id="a", secret_access_key="b")
+    with pytest.raises(PermissionDeniedError, match="HTTP 403"):
+        wrong.get("x")
+    missing = seaweed.storage("never-created-bucket", create_bucket=False)
+    with pytest.raises(ObjectNotFoundError, match="bucket does not exist"):
+        missing.list_dirs("")

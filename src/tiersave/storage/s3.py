@@ -696,11 +696,24 @@ class S3BlobReader:
 
 
 class _Block:
-    __slots__ = ("buf", "filled")
+    """One part being assembled. ``buf`` may be recycled (dirty): bytes never written are zeroed only
+    when a partial block is handed over (``zero_gaps``), so a full block costs no extra pass."""
+
+    __slots__ = ("buf", "filled", "spans")
 
     def __init__(self, buf: bytearray) -> None:
         self.buf = buf
         self.filled = 0
+        self.spans: list[tuple[int, int]] = []
+
+    def zero_gaps(self, length: int) -> None:
+        cursor = 0
+        for lo, hi in sorted(self.spans):
+            if lo > cursor:
+                self.buf[cursor:lo] = memoryview(_zeros(len(self.buf)))[: lo - cursor]
+            cursor = max(cursor, hi)
+        if cursor < length:
+            self.buf[cursor:length] = memoryview(_zeros(len(self.buf)))[: length - cursor]
 
 
 _ZEROS: dict[int, bytes] = {}
@@ -789,22 +802,19 @@ class S3BlobWriter:
             lo = max(offset, index * part)
             hi = min(end, (index + 1) * part)
             block.buf[lo - index * part : hi - index * part] = view[lo - offset : hi - offset]
-            spans.append((block, hi - lo))
+            spans.append((block, lo - index * part, hi - index * part))
         with self._cond:
-            for block, n in spans:
-                block.filled += n
+            for block, lo, hi in spans:
+                block.filled += hi - lo
+                block.spans.append((lo, hi))
             self._cond.notify_all()
             start_upload = self._thread is None and self._state == "open" and self._full(0)
             if start_upload:
                 self._start_upload()
 
     def _new_buffer(self) -> bytearray:
-        """A zeroed part buffer: a recycled one if any (fresh pages cost a page fault each), else new."""
-        if self._free:
-            buf = self._free.pop()
-            buf[:] = _zeros(self._part)
-            return buf
-        return bytearray(self._part)
+        """A part buffer: a recycled one if any (fresh pages cost a page fault each), else a new one."""
+        return self._free.pop() if self._free else bytearray(self._part)
 
     def _check_writable(self) -> None:
         if self._error is not None:
@@ -838,8 +848,13 @@ class S3BlobWriter:
                         if index >= nblocks:
                             return
                         block = self._blocks.pop(index, None)
-                        buf = block.buf if block is not None else bytearray(part)
                         length = min(part, self._size - index * part)
+                        if block is None:
+                            buf = bytearray(part)
+                        else:
+                            if block.filled < part:
+                                block.zero_gaps(length)
+                            buf = block.buf
                         break
                     if self._full(index):
                         buf = self._blocks.pop(index).buf
@@ -895,6 +910,8 @@ class S3BlobWriter:
             small = None
             if thread is None:
                 block = self._blocks.pop(0, None)
+                if block is not None and block.filled < self._part:
+                    block.zero_gaps(size)
                 small = memoryview(block.buf)[:size] if block is not None else memoryview(bytearray(size))
         if small is not None:
             try:
