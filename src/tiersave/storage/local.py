@@ -4,6 +4,12 @@ Durability follows the recipe in docs/format.md section 6: files are created wit
 ``fsync``-ed; a whole-object ``put`` goes through a temporary file, ``fsync``, rename (or ``link`` for
 create-only) and an ``fsync`` of the directory. Reads never follow a symbolic link at the last component
 and refuse anything that is not a regular file.
+
+Shard writers and readers choose direct or buffered I/O per request (``io=`` option, ``TIERSAVE_IO``;
+rules in :mod:`tiersave.engine.hybrid`, mechanics in :mod:`tiersave.engine.directio`). A writer opens
+the new file once buffered (``O_EXCL``) and once more with ``O_DIRECT``; a file system that refuses
+``O_DIRECT`` gets buffered I/O, never an error. O_DIRECT is not durability: ``finish`` always
+``fsync``-s. Whole objects (``put``/``get``: manifests) are small and always buffered.
 """
 
 from __future__ import annotations
@@ -16,10 +22,36 @@ import logging
 import os
 import shutil
 import stat
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from .._crash import crashpoint
+from ..engine.buffers import address_of
+from ..engine.directio import (
+    BouncePool,
+    DioAlignment,
+    PartialBlocks,
+    dio_alignment,
+    is_refusal,
+    open_direct,
+    pread_direct,
+    preallocate,
+    pwrite_direct,
+    split_aligned,
+)
+from ..engine.hybrid import (
+    Calibration,
+    Decision,
+    IOMode,
+    IOPolicy,
+    IOStats,
+    bounce_bytes,
+    direct_min_bytes,
+    io_mode_from_env,
+    parse_io_mode,
+)
 from ..errors import (
     AlreadyExistsError,
     ConfigError,
@@ -105,13 +137,40 @@ def filesystem_type(path: str | os.PathLike[str]) -> str:
 
 
 _VOLATILE_FS = {"tmpfs", "ramfs"}
+_NO_DIRECT_FS = {"ramfs"}  # known to refuse O_DIRECT on open; others are found out by trying
 _SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "fuse.juicefs", "ceph", "9p"}
 
 
 class LocalStorage:
-    """A directory on a POSIX file system. See :mod:`tiersave.storage.base` for the protocol."""
+    """A directory on a POSIX file system. See :mod:`tiersave.storage.base` for the protocol.
 
-    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
+    Args:
+        root: the directory (created if missing and ``create``).
+        create: create a missing root (False: raise ``ObjectNotFoundError``).
+        io: ``"auto"`` (per request, see :mod:`tiersave.engine.hybrid`), ``"direct"`` or ``"buffered"``;
+            None reads ``TIERSAVE_IO`` (default auto). Auto is buffered on tmpfs/ramfs.
+        min_direct_bytes: auto sends smaller requests buffered (default ``TIERSAVE_DIRECT_MIN_BYTES``).
+        calibration: a fixed :class:`~tiersave.engine.hybrid.Calibration` for auto (None: measured once
+            per file system and cached).
+
+    Attributes:
+        io_policy: the per-request policy.
+        io_stats: bytes, seconds and decisions of every writer and reader of this storage so far
+            (each writer or reader adds its own ``io_stats`` when it finishes or closes).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        create: bool = True,
+        io: IOMode | str | None = None,
+        min_direct_bytes: int | None = None,
+        calibration: Calibration | None = None,
+    ) -> None:
+        mode = parse_io_mode(io) if io is not None else io_mode_from_env()
+        if min_direct_bytes is not None and (not isinstance(min_direct_bytes, int) or min_direct_bytes < 0):
+            raise ConfigError(f"min_direct_bytes must be a non-negative integer, got {min_direct_bytes!r}")
         path = Path(root).expanduser()
         if path.exists() and not path.is_dir():
             raise ConfigError(f"checkpoint root {str(path)!r} exists and is not a directory")
@@ -128,13 +187,28 @@ class LocalStorage:
         self.capabilities = StorageCapabilities(
             atomic_rename=True,
             conditional_put=True,
-            direct_io=hasattr(os, "O_DIRECT"),
+            direct_io=hasattr(os, "O_DIRECT") and self.fstype not in _NO_DIRECT_FS,
             durable=self.fstype not in _VOLATILE_FS,
             shared=self.fstype in _SHARED_FS,
         )
+        self.io_policy = IOPolicy(
+            mode,
+            self.root,
+            self.fstype,
+            min_direct_bytes=min_direct_bytes if min_direct_bytes is not None else direct_min_bytes(),
+            calibration=calibration,
+        )
+        if self.fstype in _NO_DIRECT_FS:
+            self.io_policy.mark_refused(f"{self.fstype} has no O_DIRECT")
+        self.bounce_pool = BouncePool(bounce_bytes())
+        self.io_stats = IOStats()
+
+    @property
+    def io_mode(self) -> IOMode:
+        return self.io_policy.mode
 
     def __repr__(self) -> str:
-        return f"LocalStorage({str(self.root)!r}, fstype={self.fstype!r})"
+        return f"LocalStorage({str(self.root)!r}, fstype={self.fstype!r}, io={self.io_policy.mode.value!r})"
 
     # -- paths and errors -------------------------------------------------------------------------
 
@@ -208,13 +282,42 @@ class LocalStorage:
         with self._errors("creating", key):
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
-        return LocalBlobWriter(self, key, path, fd)
+            try:
+                dfd = self._open_direct_twin(path, fd, os.O_WRONLY)
+            except BaseException:
+                os.close(fd)
+                _unlink_quiet(path)
+                raise
+        return LocalBlobWriter(self, key, path, fd, dfd)
 
     def open_reader(self, key: str) -> LocalBlobReader:
         path = self.path(key)
         with self._errors("opening", key):
             fd = _open_regular(path, key)
-        return LocalBlobReader(self, key, fd)
+            try:
+                dfd = self._open_direct_twin(path, fd, os.O_RDONLY)
+            except BaseException:
+                os.close(fd)
+                raise
+        return LocalBlobReader(self, key, fd, dfd)
+
+    def _open_direct_twin(self, path: Path, fd: int, flags: int) -> int | None:
+        """A second, O_DIRECT descriptor of the file open as ``fd``; None when direct I/O is off or refused.
+
+        The path is opened again without following links and must name the same inode, so a file swapped
+        in between the two opens is never used.
+        """
+        if not self.io_policy.wants_direct():
+            return None
+        dfd = open_direct(path, flags)
+        if dfd is None:
+            self.io_policy.mark_refused("EINVAL on open(O_DIRECT)")
+            return None
+        a, b = os.fstat(fd), os.fstat(dfd)
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+            os.close(dfd)
+            raise FormatError(f"{path} was replaced while it was being opened", path=str(path))
+        return dfd
 
     # -- metadata ---------------------------------------------------------------------------------
 
@@ -294,20 +397,140 @@ class LocalStorage:
 
 
 class LocalBlobWriter:
-    """Writes one file with ``pwrite`` from any number of threads."""
+    """Writes one new file from any number of threads, direct or buffered per request.
 
-    def __init__(self, storage: LocalStorage, key: str, path: Path, fd: int) -> None:
+    Each ``write_at`` splits its range at the file's direct-I/O block size: whole blocks go direct (in
+    place when the source address allows, else through a bounce buffer) or buffered as the policy
+    decides; the unaligned edges are merged into zero-filled blocks written at ``finish`` (see
+    :class:`~tiersave.engine.directio.PartialBlocks` for why that gives the same bytes). Once more than
+    ``_MAX_PENDING_BYTES`` of edges are pending, they and every later edge go buffered instead, which keeps
+    memory bounded for writers that send many tiny pieces.
+
+    Attributes:
+        io_stats: what this writer moved on each path (thread-safe).
+    """
+
+    def __init__(self, storage: LocalStorage, key: str, path: Path, fd: int, dfd: int | None = None) -> None:
         self.key = key
         self._storage = storage
         self._path = path
         self._fd: int | None = fd
+        self._dfd = dfd
+        self.io_stats = IOStats()
+        self._align: DioAlignment = dio_alignment(dfd) if dfd is not None else DioAlignment(4096, 4096)
+        self._edges = PartialBlocks(self._align.offset) if dfd is not None else None
+        self._edges_buffered = False
+        self._lock = threading.Lock()
+        self._reserved = 0  # bytes preallocated from the start of the file (see _reserve)
+        self._prealloc = dfd is not None
+
+    @property
+    def direct(self) -> bool:
+        """True while this writer can issue direct I/O."""
+        return self._dfd is not None
 
     def write_at(self, offset: int, data: memoryview) -> None:
         fd = self._fd
         if fd is None:
             raise StorageError(f"{self.key!r}: write after finish/abort", tier=self._storage.uri, key=self.key)
+        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        n = len(view)
+        if n == 0:
+            return
         with self._storage._errors("writing", self.key):
-            _write_all(fd, data, offset)
+            if self._edges is None:
+                start = time.perf_counter()
+                _write_all(fd, view, offset)
+                self.io_stats.record("buffered", n, time.perf_counter() - start)
+                return
+            head, middle, tail = split_aligned(offset, n, self._align.offset)
+            if head:
+                self._add_edge(fd, offset, view[:head])
+            if tail:
+                self._add_edge(fd, offset + n - tail, view[n - tail :])
+            if middle:
+                self._write_blocks(fd, offset + head, view[head : head + middle])
+
+    def _reserve(self, dfd: int, end: int) -> None:
+        """Preallocate the file up to at least ``end`` so that direct writes are in-place overwrites.
+
+        The file grows in steps of at least ``_PREALLOC_STEP_BYTES`` (or an eighth of its size), since the
+        final size is known only at ``finish``, which trims the excess.
+        """
+        if not self._prealloc or end <= self._reserved:
+            return
+        with self._lock:
+            if not self._prealloc or end <= self._reserved:
+                return
+            target = max(end, self._reserved + max(_PREALLOC_STEP_BYTES, self._reserved // 8))
+            if preallocate(dfd, self._reserved, target - self._reserved):
+                self._reserved = target
+            elif target > end and preallocate(dfd, self._reserved, end - self._reserved):
+                self._reserved = end
+            else:
+                self._prealloc = False  # not supported, or no room for more: plain writes from now on
+
+    def _write_blocks(self, fd: int, offset: int, view: memoryview) -> None:
+        policy = self._storage.io_policy
+        aligned = address_of(view) % self._align.memory == 0
+        decision = policy.decide("write", len(view), aligned=aligned)
+        self.io_stats.note(decision.reason)
+        log.debug("%s: write %d B at %d: %s (%s: %s)", self.key, len(view), offset, *_describe(decision))
+        dfd = self._dfd
+        start = time.perf_counter()
+        if decision.path == "direct" and dfd is not None:
+            self._reserve(dfd, offset + len(view))
+            try:
+                bounced = pwrite_direct(dfd, view, offset, self._align, self._storage.bounce_pool)
+            except OSError as exc:
+                if not is_refusal(exc):
+                    raise
+                policy.mark_refused(f"{exc.strerror} on a direct write")
+            else:
+                self.io_stats.record("direct-bounce" if bounced else "direct", len(view), time.perf_counter() - start)
+                return
+        # Whole blocks that no other write touches: buffered and direct writes of other blocks may mix.
+        _write_all(fd, view, offset)
+        self.io_stats.record("buffered", len(view), time.perf_counter() - start)
+
+    def _add_edge(self, fd: int, offset: int, piece: memoryview) -> None:
+        edges = self._edges
+        if edges is None:
+            _write_all(fd, piece, offset)
+            return
+        start = time.perf_counter()
+        with self._lock:
+            if self._edges_buffered:
+                _write_all(fd, piece, offset)
+                self.io_stats.record("buffered", len(piece), time.perf_counter() - start)
+                return
+            edges.add(offset, piece)
+            if edges.pending_bytes > _MAX_PENDING_BYTES:
+                # Too many tiny pieces to hold: write them (and all later ones) through the page cache.
+                flushed = edges.flush_buffered(fd)
+                self._edges_buffered = True
+                self.io_stats.record("buffered", flushed, time.perf_counter() - start)
+                log.debug("%s: over %d B of unaligned pieces; writing edges buffered", self.key, _MAX_PENDING_BYTES)
+
+    def _flush_edges(self, fd: int) -> None:
+        edges = self._edges
+        if edges is None or self._edges_buffered or not len(edges):
+            return
+        start = time.perf_counter()
+        dfd = self._dfd
+        if dfd is not None and not self._storage.io_policy.refused:
+            try:
+                self._reserve(dfd, max(off + sum(len(b) for b in blocks) for off, blocks in edges.runs()))
+                written = edges.flush_direct(dfd, self._align, self._storage.bounce_pool)
+            except OSError as exc:
+                if not is_refusal(exc):
+                    raise
+                self._storage.io_policy.mark_refused(f"{exc.strerror} on a direct write")
+            else:
+                self.io_stats.record("blocks", written, time.perf_counter() - start)
+                return
+        written = edges.flush_buffered(fd)
+        self.io_stats.record("buffered", written, time.perf_counter() - start)
 
     def finish(self, size: int) -> None:
         fd = self._fd
@@ -315,45 +538,110 @@ class LocalBlobWriter:
             raise StorageError(f"{self.key!r}: finish after abort", tier=self._storage.uri, key=self.key)
         with self._storage._errors("syncing", self.key):
             try:
+                self._flush_edges(fd)
                 os.ftruncate(fd, size)
-                os.fsync(fd)  # an fsync error means this file is lost: never retried (fsyncgate)
+                # O_DIRECT bypasses the page cache but not the device cache nor the file's metadata: fsync
+                # always. An fsync error means this file is lost: never retried (fsyncgate).
+                os.fsync(fd)
             finally:
-                self._fd = None
-                os.close(fd)
+                self._close()
+                self._storage.io_stats.merge(self.io_stats)
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, None
+        dfd, self._dfd = self._dfd, None
+        for f in (dfd, fd):
+            if f is not None:
+                os.close(f)
+        if self._edges is not None:
+            self._edges.clear()
 
     def abort(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        self._close()
         _unlink_quiet(self._path)
 
 
 class LocalBlobReader:
-    """Reads ranges of one regular file with ``preadv`` from any number of threads."""
+    """Reads ranges of one regular file from any number of threads, direct or buffered per request.
 
-    def __init__(self, storage: LocalStorage, key: str, fd: int) -> None:
+    Attributes:
+        io_stats: what this reader moved on each path (thread-safe).
+    """
+
+    def __init__(self, storage: LocalStorage, key: str, fd: int, dfd: int | None = None) -> None:
         self.key = key
         self._storage = storage
         self._fd = fd
+        self._dfd = dfd
         self.size = os.fstat(fd).st_size
+        self.io_stats = IOStats()
+        self._align: DioAlignment = dio_alignment(dfd) if dfd is not None else DioAlignment(4096, 4096)
+        with contextlib.suppress(OSError, AttributeError):
+            # Doubles the kernel's read-ahead window for the buffered path (chunks are read in order).
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
     def read_into(self, offset: int, out: memoryview) -> None:
+        view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        n = len(view)
+        if n == 0:
+            return
         with self._storage._errors("reading", self.key):
-            _read_all(self._fd, out, offset, self.key)
+            dfd = self._dfd
+            start = time.perf_counter()
+            if dfd is not None:
+                head, _, _ = split_aligned(offset, n, self._align.offset)
+                aligned = (address_of(view) + head) % self._align.memory == 0
+                policy = self._storage.io_policy
+                decision = policy.decide("read", n, aligned=aligned)
+                self.io_stats.note(decision.reason)
+                log.debug("%s: read %d B at %d: %s (%s: %s)", self.key, n, offset, *_describe(decision))
+                if decision.path == "direct":
+                    try:
+                        filled, bounced = pread_direct(dfd, view, offset, self._align, self._storage.bounce_pool)
+                    except OSError as exc:
+                        if not is_refusal(exc):
+                            raise
+                        policy.mark_refused(f"{exc.strerror} on a direct read")
+                    else:
+                        if filled < n:
+                            raise CorruptCheckpointError(
+                                f"{self.key!r} ends before byte {offset + n} (read stopped at {offset + filled})",
+                                file=self.key,
+                            )
+                        seconds = time.perf_counter() - start
+                        if bounced:
+                            self.io_stats.record("direct-bounce", bounced, seconds * bounced / n)
+                        if filled - bounced:
+                            self.io_stats.record("direct", filled - bounced, seconds * (filled - bounced) / n)
+                        return
+            _read_all(self._fd, view, offset, self.key)
+            self.io_stats.record("buffered", n, time.perf_counter() - start)
 
     def fileno(self) -> int:
         return self._fd
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1
+        dfd, self._dfd = self._dfd, None
+        if dfd is not None:
+            os.close(dfd)
         if fd >= 0:
             os.close(fd)
+            self._storage.io_stats.merge(self.io_stats)
 
     def __enter__(self) -> LocalBlobReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_MAX_PENDING_BYTES = 64 << 20
+_PREALLOC_STEP_BYTES = 256 << 20
+
+
+def _describe(decision: Decision) -> tuple[str, str, str]:
+    return decision.path, decision.reason, decision.detail
 
 
 def _open_regular(path: Path, key: str) -> int:
