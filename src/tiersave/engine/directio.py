@@ -165,7 +165,7 @@ def split_aligned(offset: int, length: int, align: int) -> tuple[int, int, int]:
 
     Returns:
         ``(head, middle, tail)`` lengths that sum to ``length``. The middle starts and ends on multiples
-        of ``align``; a request inside one block is all head.
+        of ``align``; a request that holds no whole aligned block is all head.
 
     >>> split_aligned(4096, 10000, 4096)
     (0, 8192, 1808)

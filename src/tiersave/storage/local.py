@@ -438,7 +438,8 @@ class LocalBlobWriter:
         if n == 0:
             return
         with self._storage._errors("writing", self.key):
-            if self._edges is None:
+            if self._edges is None:  # no direct descriptor: say why in the statistics, write buffered
+                self.io_stats.note(self._storage.io_policy.decide("write", n, aligned=False).reason)
                 start = time.perf_counter()
                 _write_all(fd, view, offset)
                 self.io_stats.record("buffered", n, time.perf_counter() - start)
@@ -614,6 +615,8 @@ class LocalBlobReader:
                         if filled - bounced:
                             self.io_stats.record("direct", filled - bounced, seconds * (filled - bounced) / n)
                         return
+            else:  # no direct descriptor: say why in the statistics
+                self.io_stats.note(self._storage.io_policy.decide("read", n, aligned=False).reason)
             _read_all(self._fd, view, offset, self.key)
             self.io_stats.record("buffered", n, time.perf_counter() - start)
 
