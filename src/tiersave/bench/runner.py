@@ -1,0 +1,360 @@
+"""Run the checkpoint benchmark: raw device limits, tiersave in each I/O mode, and the peers, side by side.
+
+Procedure (in the spirit of the MLPerf Storage checkpointing workload):
+
+1. Build the GPT-like state (:mod:`tiersave.bench.workload`) and a zero-filled twin to load into, and
+   touch as much memory again once: on a virtual machine the first touch of guest memory is slow
+   (measured here: 0.7-1.1 GB/s the first time, 5.4 GB/s afterwards), and that one-time cost must not
+   land on whichever method happens to run first.
+2. Calibrate the auto I/O policy for the directory's file system (outside every timed region).
+3. ``warmup`` untimed rounds, then ``checkpoints`` timed rounds, each in an order rotated every round so
+   that slow drifts of a shared machine spread evenly: the raw device run, then every method's save
+   (until durable) followed by its cold loads; the page cache is evicted before every timed operation;
+   each method's files are removed after its loads, so the disk holds one checkpoint at a time.
+4. Optionally (``ranks > 1``) tiersave alone in ``ranks`` processes, each saving and restoring its share.
+
+Every loaded state is spot-checked against the saved one outside the timed region.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._version import __version__
+from ..errors import ConfigError
+from ..storage.local import filesystem_type
+from .device import RawResult, evict, measure_raw
+from .workload import StateSpec, gpt_like_spec
+
+__all__ = ["BenchConfig", "BenchResult", "MethodResult", "run_bench"]
+
+ProgressFn = Callable[[int, int, str], None]
+IO_MODES = ("auto", "direct", "buffered")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    """What to run.
+
+    Attributes:
+        directory: where checkpoints go (on the file system under test); created, and emptied at the end
+            unless ``keep``.
+        model: a :mod:`tiersave.sizing` preset whose shapes the state imitates.
+        size_bytes: the state's size (weights + two Adam moments, fp32).
+        checkpoints: timed rounds of save + load per method.
+        warmup: untimed rounds first (a job's first save allocates what later saves reuse: staging
+            memory, threads; the benchmark measures the steady state).
+        io_modes: tiersave I/O modes to run (``auto``, ``direct``, ``buffered``).
+        peers: peer methods (``torch``, ``safetensors``, ``dcp``, ``dcp-async``).
+        io_threads: tiersave's I/O threads (None: its default).
+        raw: measure the raw device limits.
+        drop_caches: also drop the kernel page cache (root only) besides ``fadvise(DONTNEED)``.
+        recalibrate: measure the auto policy's calibration again instead of using the cached one.
+        ranks: tiersave processes for the multi-rank phase (1: skip it).
+        seed: seed of the state's random values.
+        keep: leave the last checkpoints on disk.
+    """
+
+    directory: Path
+    model: str = "llama3-8b"
+    size_bytes: int = 3_000_000_000
+    checkpoints: int = 2
+    warmup: int = 1
+    io_modes: tuple[str, ...] = IO_MODES
+    peers: tuple[str, ...] = ("torch", "safetensors", "dcp", "dcp-async")
+    io_threads: int | None = None
+    raw: bool = True
+    drop_caches: bool = True
+    recalibrate: bool = False
+    ranks: int = 1
+    seed: int = 0
+    keep: bool = False
+
+    def __post_init__(self) -> None:
+        if self.checkpoints < 1:
+            raise ConfigError(f"checkpoints must be >= 1, got {self.checkpoints}")
+        if self.warmup < 0:
+            raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
+        if self.ranks < 1:
+            raise ConfigError(f"ranks must be >= 1, got {self.ranks}")
+        for mode in self.io_modes:
+            if mode not in IO_MODES:
+                raise ConfigError(f"unknown io mode {mode!r}; known: {', '.join(IO_MODES)}")
+        if len(set(self.io_modes)) != len(self.io_modes) or len(set(self.peers)) != len(self.peers):
+            raise ConfigError("io modes and peers must not repeat")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "directory": str(self.directory),
+            "model": self.model,
+            "size_bytes": self.size_bytes,
+            "checkpoints": self.checkpoints,
+            "warmup": self.warmup,
+            "io_modes": list(self.io_modes),
+            "peers": list(self.peers),
+            "io_threads": self.io_threads,
+            "raw": self.raw,
+            "drop_caches": self.drop_caches,
+            "recalibrate": self.recalibrate,
+            "ranks": self.ranks,
+            "seed": self.seed,
+        }
+
+
+@dataclass
+class MethodResult:
+    """Timings of one method over all rounds (seconds per round)."""
+
+    name: str
+    family: str
+    save_s: list[float] = field(default_factory=list)
+    blocked_s: list[float] = field(default_factory=list)
+    load_s: dict[str, list[float]] = field(default_factory=dict)
+    save_stats: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "family": self.family,
+            "save_s": [round(s, 6) for s in self.save_s],
+            "blocked_s": [round(s, 6) for s in self.blocked_s],
+            "load_s": {k: [round(s, 6) for s in v] for k, v in self.load_s.items()},
+            "save_stats": self.save_stats,
+        }
+
+
+@dataclass
+class BenchResult:
+    """Everything one run measured; :func:`tiersave.bench.report.summarize` turns it into ratios."""
+
+    config: BenchConfig
+    state: StateSpec
+    machine: dict[str, Any]
+    calibration: dict[str, Any] | None
+    raw: list[RawResult]
+    methods: dict[str, MethodResult]
+    eviction: str
+    ranks: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes
+
+    def to_json(self) -> dict[str, Any]:
+        from .report import summarize
+
+        data = self._data()
+        data["summary"] = summarize(data)
+        return data
+
+    def _data(self) -> dict[str, Any]:
+        return {
+            "tiersave_version": __version__,
+            "config": self.config.to_json(),
+            "machine": self.machine,
+            "state": self.state.to_json(),
+            "calibration": self.calibration,
+            "eviction": self.eviction,
+            "raw": [
+                {"bytes": r.nbytes, "write_gbps": r.write, "read_gbps": r.read, "direct_refused": r.direct_refused}
+                for r in self.raw
+            ],
+            "methods": {name: m.to_json() for name, m in self.methods.items()},
+            "ranks": self.ranks,
+            "notes": self.notes,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def _machine(directory: Path) -> dict[str, Any]:
+    import torch
+
+    st = os.stat(directory)
+    mem = 0
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return {
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "memory_bytes": mem,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "filesystem": filesystem_type(directory),
+        "device": f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}",
+        "loadavg_start": _loadavg(),
+    }
+
+
+def _check_resources(config: BenchConfig, spec: StateSpec) -> None:
+    free = shutil.disk_usage(config.directory).free
+    need_disk = int(spec.nbytes * 1.3) + (64 << 20)
+    if free < need_disk:
+        raise ConfigError(
+            f"{config.directory} has {free / 1e9:.1f} GB free; the benchmark needs about {need_disk / 1e9:.1f} GB"
+        )
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return
+    need_mem = 3 * spec.nbytes  # the state, the twin to load into, one loaded copy
+    if avail and avail < need_mem:
+        raise ConfigError(
+            f"the benchmark holds about {need_mem / 1e9:.1f} GB in memory (state, load target, one loaded copy); "
+            f"only {avail / 1e9:.1f} GB is free: use a smaller --size"
+        )
+
+
+def _spot_check(saved: dict[str, Any], loaded: dict[str, Any], method: str) -> None:
+    import torch
+
+    names = list(saved)
+    for name in {names[0], names[len(names) // 2], names[-1]}:
+        got = loaded.get(name)
+        if not isinstance(got, torch.Tensor) or not torch.equal(got, saved[name]):
+            raise ConfigError(f"benchmark: {method} loaded different values for {name!r}")
+
+
+def _touch_memory(nbytes: int) -> None:
+    """Allocate, write and free ``nbytes`` so that later allocations find guest memory already backed."""
+    import numpy as np
+
+    block = 256 << 20
+    held = []
+    for _ in range(max(1, nbytes // block)):
+        buf = np.empty(block, dtype=np.uint8)
+        buf.fill(1)
+        held.append(buf)
+    del held
+
+
+def run_bench(config: BenchConfig, *, progress: ProgressFn | None = None) -> BenchResult:
+    """Run the benchmark described by ``config`` and return its measurements.
+
+    Raises:
+        ConfigError: bad configuration, not enough disk or memory.
+        BackendUnavailableError: a requested peer's package is missing.
+    """
+    from ..engine.hybrid import Calibration, calibration_for
+    from .methods import Method, TiersaveMethod, make_peer
+    from .workload import build_state, empty_like_state
+
+    started = time.perf_counter()
+    directory = config.directory
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    spec = gpt_like_spec(config.model, config.size_bytes)
+    _check_resources(config, spec)
+    notes: list[str] = []
+    fstype = filesystem_type(directory)
+    machine = _machine(directory)
+
+    cal: Calibration | None = None
+    if "auto" in config.io_modes:
+        cal = calibration_for(directory, fstype, refresh=config.recalibrate)
+        if cal is None:
+            notes.append("no calibration (O_DIRECT refused or disabled): auto uses its defaults")
+    methods: list[Method] = [TiersaveMethod(m, io_threads=config.io_threads, calibration=cal) for m in config.io_modes]
+    methods += [make_peer(p) for p in config.peers]
+    steps_per_round = (1 if config.raw else 0) + sum(1 + len(m.load_variants) for m in methods)
+    rounds = config.warmup + config.checkpoints
+    total = steps_per_round * rounds + (2 if config.ranks > 1 else 0) + 1
+    done = 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        if progress is not None:
+            progress(done, total, label)
+        done += 1
+
+    tick("building the state")
+    state = build_state(spec, seed=config.seed)
+    template = empty_like_state(spec)
+    _touch_memory(2 * spec.nbytes)
+    results = {m.name: MethodResult(m.name, m.family) for m in methods}
+    raws: list[RawResult] = []
+    eviction = "fadvise"
+    try:
+        for m in methods:
+            m.prepare(directory)
+        order: list[Method | None] = ([None] if config.raw else []) + list(methods)
+        for rnd in range(rounds):
+            timed = rnd >= config.warmup
+            what = f"round {rnd - config.warmup + 1}" if timed else f"warm-up {rnd + 1}"
+            k = rnd % len(order)
+            for item in order[k:] + order[:k]:
+                if item is None:
+                    tick(f"{what}: raw device write and read")
+                    raw = measure_raw(directory, spec.nbytes, drop_caches=config.drop_caches)
+                    if timed:
+                        raws.append(raw)
+                    continue
+                res = results[item.name]
+                tick(f"{what}: {item.name} save")
+                eviction = evict([directory], drop_caches=config.drop_caches)
+                timing = item.save(rnd, state)
+                if timed:
+                    res.save_s.append(timing.seconds)
+                    res.blocked_s.append(timing.blocked_s)
+                    if timing.stats:
+                        res.save_stats.append(timing.stats)
+                for variant in item.load_variants:
+                    tick(f"{what}: {item.name} load ({variant})")
+                    evict(item.paths(rnd), drop_caches=config.drop_caches)
+                    seconds, loaded = item.load(rnd, variant, template)
+                    if timed:
+                        res.load_s.setdefault(variant, []).append(seconds)
+                    _spot_check(state, loaded, item.name)
+                    del loaded
+                if not (config.keep and rnd == rounds - 1):
+                    item.remove(rnd)
+    finally:
+        for m in methods:
+            m.close()
+    ranks_result = None
+    if config.ranks > 1:
+        from .ranks import run_ranks
+
+        tick(f"{config.ranks} ranks: tiersave save")
+        ranks_result = run_ranks(config, cal)
+        tick(f"{config.ranks} ranks: done")
+    if created and not config.keep:
+        shutil.rmtree(directory, ignore_errors=True)
+    elif not config.keep:
+        for m in methods:
+            shutil.rmtree(directory / m.name, ignore_errors=True)
+    machine["loadavg_end"] = _loadavg()
+    if progress is not None:
+        progress(total, total, "done")
+    return BenchResult(
+        config=config,
+        state=spec,
+        machine=machine,
+        calibration=cal.to_json() if cal is not None else None,
+        raw=raws,
+        methods=results,
+        eviction=eviction,
+        ranks=ranks_result,
+        notes=notes,
+        seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,283 @@
+"""`tiersave bench` and tiersave.bench: the workload's shapes, a tiny end-to-end run with every peer
+(JSON, table, plot), several ranks, the ratio and target arithmetic on a known document, usage errors,
+and start-up without torch. Timing targets are not asserted here: they live in the benchmark itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiersave.bench import TARGETS, BenchConfig, gpt_like_spec, summarize
+from tiersave.bench.report import plot, ratio
+from tiersave.cli import main
+from tiersave.errors import BackendUnavailableError, ConfigError
+
+TINY = ["--size", "2MB", "--checkpoints", "1", "--warmup", "0", "--no-drop-caches", "--quiet"]
+
+
+@pytest.fixture(autouse=True)
+def private_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiersave.engine.hybrid import forget_calibrations
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    monkeypatch.setenv("TIERSAVE_IO_CALIBRATION_BYTES", str(4 << 20))  # a quick calibration
+    forget_calibrations()
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# -- the workload ------------------------------------------------------------------------------------
+
+
+def test_reference_state_is_gpt_like_and_about_3gb() -> None:
+    spec = gpt_like_spec("llama3-8b", 3_000_000_000)
+    weights = [t for t in spec.tensors if t.name.startswith("model.") or t.name == "lm_head.weight"]
+    assert 180 <= len(weights) <= 220  # ~200 fp32 weight tensors ...
+    assert len(spec.tensors) == 3 * len(weights)  # ... plus two Adam moments each
+    assert abs(spec.nbytes - 3e9) / 3e9 < 0.05
+    assert 200e6 < spec.params < 300e6
+    names = [t.name for t in spec.tensors]
+    assert len(set(names)) == len(names)
+    by_name = {t.name: t.shape for t in spec.tensors}
+    for w in weights:
+        key = w.name.removeprefix("model.")
+        assert by_name[f"optim.{key}.exp_avg"] == w.shape == by_name[f"optim.{key}.exp_avg_sq"]
+    assert any(t.nbytes % 4096 for t in spec.tensors)  # tensor ends off the 4 KiB grid, as in real models
+    assert "llama3-8b scaled" in spec.describe() and spec.to_json()["tensors"] == len(spec.tensors)
+
+
+def test_other_presets_and_tiny_sizes() -> None:
+    gpt = gpt_like_spec("gpt2", 50_000_000)
+    names = {t.name for t in gpt.tensors}
+    assert "model.embed_positions.weight" in names and "model.layers.0.attn.q_proj.bias" in names
+    assert "lm_head.weight" not in names  # tied embeddings
+    tiny = gpt_like_spec("llama3-8b", 100_000)
+    assert 0.5 < tiny.nbytes / 100_000 < 2.0
+    with pytest.raises(ConfigError, match="at least 64 KiB"):
+        gpt_like_spec("llama3-8b", 1000)
+    with pytest.raises(ConfigError, match="unknown model preset"):
+        gpt_like_spec("no-such-model", 10_000_000)
+
+
+def test_config_validation(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="checkpoints"):
+        BenchConfig(directory=tmp_path, checkpoints=0)
+    with pytest.raises(ConfigError, match="unknown io mode"):
+        BenchConfig(directory=tmp_path, io_modes=("fast",))
+    with pytest.raises(ConfigError, match="warmup"):
+        BenchConfig(directory=tmp_path, warmup=-1)
+
+
+# -- end to end --------------------------------------------------------------------------------------
+
+
+def test_tiny_run_with_every_peer_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "bench.png"
+    out_json = tmp_path / "bench.json"
+    code, out, err = run(
+        capsys, "bench", str(tmp_path / "b"), *TINY, "--json", "--plot", str(png), "--output", str(out_json)
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert json.loads(out_json.read_text()) == data
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(data["methods"]) == {
+        "tiersave-auto",
+        "tiersave-direct",
+        "tiersave-buffered",
+        "torch",
+        "safetensors",
+        "dcp",
+        "dcp-async",
+    }
+    for name, m in data["methods"].items():
+        assert len(m["save_s"]) == 1 and m["save_s"][0] > 0, name
+    assert set(data["methods"]["tiersave-auto"]["load_s"]) == {"new", "into"}
+    assert set(data["methods"]["dcp"]["load_s"]) == {"into"}
+    assert data["methods"]["dcp-async"]["blocked_s"][0] <= data["methods"]["dcp-async"]["save_s"][0]
+    io = data["methods"]["tiersave-direct"]["save_stats"][0]["io"]
+    assert io["reasons"] == {"forced-direct": io["reasons"]["forced-direct"]}
+    assert set(data["methods"]["tiersave-buffered"]["save_stats"][0]["io"]["paths"]) == {"buffered"}
+    assert data["raw"][0]["write_gbps"] and data["raw"][0]["read_gbps"]
+    summary = data["summary"]
+    assert summary["main"] == "tiersave-auto"
+    assert {t["key"] for t in summary["targets"]} == {key for key, _, _ in TARGETS}
+    assert data["calibration"]["key"].endswith(data["machine"]["filesystem"])
+    assert data["eviction"] == "fadvise"
+    assert not (tmp_path / "b").exists()  # created by the run, removed by it
+
+
+def test_text_report_and_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        capsys,
+        "bench",
+        str(tmp_path / "b"),
+        "--size",
+        "2MB",
+        "--checkpoints",
+        "1",
+        "--warmup",
+        "0",
+        "--no-drop-caches",
+        "--io",
+        "auto",
+        "--peers",
+        "torch",
+        "--no-raw",
+        "--keep",
+    )
+    assert code == 0, err
+    assert "method" in out and "tiersave-auto" in out and "torch" in out
+    assert "save_vs_torch" in out and "targets:" in out
+    assert "[#" in err and "done" in err  # the progress bar
+    assert any((tmp_path / "b" / "tiersave-auto").iterdir())  # --keep
+
+
+def test_several_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        capsys,
+        "bench",
+        str(tmp_path / "b"),
+        *TINY,
+        "--io",
+        "auto",
+        "--peers",
+        "none",
+        "--no-raw",
+        "--ranks",
+        "2",
+        "--json",
+    )
+    assert code == 0, err
+    ranks = json.loads(out)["ranks"]
+    assert ranks["ranks"] == 2
+    rnd = ranks["rounds"][0]
+    assert [r["rank"] for r in rnd["per_rank"]] == [0, 1]
+    assert rnd["slowest_save_s"] == max(r["save_s"] for r in rnd["per_rank"])
+    assert rnd["bytes"] == sum(r["bytes"] for r in rnd["per_rank"])
+    assert rnd["lowest_rank_save_gbps"] <= rnd["save_gbps"] * 1.0001
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--io", "fast"], "unknown io mode"),
+        (["--peers", "pickle"], "unknown peer"),
+        (["--checkpoints", "0"], "at least 1"),
+        (["--size", "lots"], "cannot read"),
+        (["--io", "none", "--peers", "none"], "nothing to run"),
+    ],
+)
+def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    code, _, err = run(capsys, "bench", str(tmp_path / "b"), *argv)
+    assert code == 2
+    assert message in err
+
+
+def test_check_flag_fails_on_a_missed_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tiersave.bench
+
+    class Fake:
+        def to_json(self) -> dict[str, Any]:
+            data = document()
+            data["summary"] = summarize(data)
+            return data
+
+    monkeypatch.setattr(tiersave.bench, "run_bench", lambda config, progress=None: Fake())
+    assert run(capsys, "bench", str(tmp_path), "--quiet")[0] == 0
+    assert run(capsys, "bench", str(tmp_path), "--quiet", "--check")[0] == 1
+
+
+def test_cli_module_imports_without_torch() -> None:
+    code = "import sys, tiersave.cli.bench_cmd, tiersave.bench; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# -- the arithmetic ----------------------------------------------------------------------------------
+
+
+def document() -> dict[str, Any]:
+    """A run of 1 GB where every time is chosen so the ratios are round numbers."""
+    gb = 1_000_000_000
+
+    def method(family: str, save: float, loads: dict[str, float], blocked: float | None = None) -> dict[str, Any]:
+        return {
+            "family": family,
+            "save_s": [save, save],
+            "blocked_s": [blocked or save] * 2,
+            "load_s": {k: [v, v] for k, v in loads.items()},
+            "save_stats": [],
+        }
+
+    return {
+        "config": {"directory": "/x", "checkpoints": 2, "warmup": 1},
+        "machine": {"filesystem": "ext4", "device": "254:0", "cpus": 2, "kernel": "k"},
+        "state": {"preset": "llama3-8b", "params": 83_000_000, "tensors": 603, "bytes": gb},
+        "calibration": None,
+        "eviction": "drop_caches",
+        "raw": [
+            {"write_gbps": {"direct x1": 2.0, "direct x4": 1.0}, "read_gbps": {"direct x1": 2.0, "buffered x4": 1.0}},
+            {"write_gbps": {"direct x1": 2.0, "direct x4": 1.0}, "read_gbps": {"direct x1": 2.0, "buffered x4": 1.0}},
+        ],
+        "methods": {
+            "tiersave-auto": method("tiersave", 0.5, {"new": 1.0, "into": 0.5}),  # 2 GB/s save, 1 and 2 GB/s load
+            "tiersave-direct": method("tiersave", 0.5, {"new": 1.0, "into": 0.5}),
+            "tiersave-buffered": method("tiersave", 2.0, {"new": 0.8, "into": 0.8}),
+            "torch": method("peer", 1.0, {"new": 2.0}),
+            "dcp": method("peer", 4.0, {"into": 0.5}),
+            "dcp-async": method("peer", 2.0, {}, blocked=0.25),
+        },
+        "ranks": None,
+        "notes": [],
+    }
+
+
+def test_summary_ratios_and_targets() -> None:
+    s = summarize(document())
+    assert s["raw"]["write_gbps"] == pytest.approx(2.0) and s["raw"]["write_config"] == "direct x1"
+    assert s["raw"]["read_gbps"] == pytest.approx(2.0)
+    assert s["methods"]["tiersave-auto"]["save_gbps"] == pytest.approx(2.0)
+    assert s["methods"]["dcp-async"]["blocked_s"] == pytest.approx(0.25)
+    r = s["ratios"]
+    assert r["save_vs_raw_write"] == pytest.approx(1.0)
+    assert r["save_vs_torch"] == pytest.approx(2.0)
+    assert r["save_vs_dcp"] == pytest.approx(8.0)
+    assert r["restore_into_vs_raw_read"] == pytest.approx(1.0)
+    assert r["restore_new_vs_torch"] == pytest.approx(2.0)
+    assert r["restore_into_vs_dcp"] == pytest.approx(1.0)
+    assert r["auto_vs_best_load_new"] == pytest.approx(0.8)  # buffered took 0.8 s, auto 1.0 s
+    assert r["save_vs_safetensors"] is None  # not run
+    met = {t["key"]: t["met"] for t in s["targets"]}
+    assert met["save_vs_raw_write"] and met["save_vs_torch"] and not met["restore_into_vs_dcp"]
+    assert not met["restore_new_vs_raw_read"]  # 1 GB/s vs 2
+    assert not met["auto_vs_best_load_new"] and met["auto_vs_best_save"]
+
+
+def test_text_report_renders_a_stored_document() -> None:
+    from tiersave.cli.bench_cmd import render_text
+
+    data = document()
+    data["summary"] = summarize(data)
+    text = render_text(data)
+    assert "[MISSED] restore (into live state) vs DCP load: 1.00x" in text
+    assert "[met] save vs torch.save+fsync: 2.00x" in text
+    assert ratio(None, 1.0) is None and ratio(1.0, 0.0) is None
+
+
+def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = document()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(BackendUnavailableError, match=r"tiersave\[bench\]"):
+        plot(data, str(tmp_path / "x.png"))
