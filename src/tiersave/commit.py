@@ -122,6 +122,19 @@ class CommitStrategy(Protocol):
         ...
 
 
+def _refuse_committed(storage: Storage, step: int) -> str:
+    """``step-N`` if ``step`` is not committed in ``storage``; else :class:`AlreadyExistsError`."""
+    final = step_dirname(step)
+    if storage.exists(f"{final}/{MANIFEST_NAME}"):
+        raise AlreadyExistsError(
+            f"step {step} is already committed in {storage.uri}; a checkpoint is never "
+            "overwritten: delete it first (tiersave prune) or save under another step",
+            tier=storage.uri,
+            key=final,
+        )
+    return final
+
+
 class RenameCommit:
     """Commit by renaming a fully written temporary directory into place."""
 
@@ -131,14 +144,7 @@ class RenameCommit:
         self.storage = storage
 
     def begin(self, step: int) -> str:
-        final = step_dirname(step)
-        if self.storage.exists(f"{final}/{MANIFEST_NAME}"):
-            raise AlreadyExistsError(
-                f"step {step} is already committed in {self.storage.uri}; a checkpoint is never "
-                "overwritten: delete it first (tiersave prune) or save under another step",
-                tier=self.storage.uri,
-                key=final,
-            )
+        _refuse_committed(self.storage, step)
         crashpoint("save_begin")
         return tmp_dirname(step, tmp_token())
 
@@ -234,14 +240,7 @@ class MarkerCommit:
         self.storage = storage
 
     def begin(self, step: int) -> str:
-        final = step_dirname(step)
-        if self.storage.exists(f"{final}/{MANIFEST_NAME}"):
-            raise AlreadyExistsError(
-                f"step {step} is already committed in {self.storage.uri}; a checkpoint is never "
-                "overwritten: delete it first (tiersave prune) or save under another step",
-                tier=self.storage.uri,
-                key=final,
-            )
+        final = _refuse_committed(self.storage, step)
         crashpoint("save_begin")
         prefix = f"{final}/{attempt_dirname(tmp_token())}"
         with _ACTIVE_LOCK:

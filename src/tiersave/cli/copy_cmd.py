@@ -13,13 +13,7 @@ import time
 from typing import Any
 
 from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, human_bytes, report_error, table
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
+from .prune_cmd import _positive
 
 
 def _bytes(text: str) -> int:

@@ -759,8 +759,8 @@ class S3BlobWriter:
         self._state = "open"  # open | finishing | done | aborted | failed
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._free: list[bytearray] = []
-        self._max_free = max(2, self._window // self._part)
+        self._sent: list[tuple[bytearray, memoryview]] = []  # handed to obstore; reusable once released
+        self._max_sent = max(2, self._window // self._part)
 
     # -- producer side ----------------------------------------------------------------------------
 
@@ -813,8 +813,20 @@ class S3BlobWriter:
                 self._start_upload()
 
     def _new_buffer(self) -> bytearray:
-        """A part buffer: a recycled one if any (fresh pages cost a page fault each), else a new one."""
-        return self._free.pop() if self._free else bytearray(self._part)
+        """A part buffer: a recycled one if any (fresh pages cost a page fault each), else a new one.
+
+        obstore sends parts zero-copy: it holds the buffer we yielded until that part's upload is done.
+        ``memoryview.release()`` fails while anyone still holds a buffer from the view, so a buffer is
+        reused only after obstore let go of it.
+        """
+        for i, (buf, view) in enumerate(self._sent):
+            try:
+                view.release()
+            except BufferError:
+                continue  # still being uploaded
+            del self._sent[i]
+            return buf
+        return bytearray(self._part)
 
     def _check_writable(self) -> None:
         if self._error is not None:
@@ -863,12 +875,12 @@ class S3BlobWriter:
                     self._cond.wait()
                 self._next = index + 1
                 self._cond.notify_all()  # the window moved: waiting writers may go on
-            yield memoryview(buf)[:length]
-            # obstore copied the part before asking for the next one: the buffer can be reused.
+            view = memoryview(buf)[:length]
+            yield view
             if len(buf) == part:
                 with self._cond:
-                    if len(self._free) < self._max_free:
-                        self._free.append(buf)
+                    if len(self._sent) < self._max_sent:
+                        self._sent.append((buf, view))
 
     def _upload(self) -> None:
         opts = self._storage.options
@@ -930,14 +942,14 @@ class S3BlobWriter:
             if self._state == "aborted":
                 raise StorageError(f"{self.key!r}: aborted during finish", tier=self._storage.uri, key=self.key)
             self._state = "done"
-            self._free = []
+            self._sent = []
 
     def abort(self) -> None:
         with self._cond:
             previous = self._state
             self._state = "aborted"
             self._blocks.clear()
-            self._free = []
+            self._sent = []
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
