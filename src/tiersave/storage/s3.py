@@ -707,13 +707,14 @@ class _Block:
         self.spans: list[tuple[int, int]] = []
 
     def zero_gaps(self, length: int) -> None:
+        buf, zeros = memoryview(self.buf), memoryview(_zeros(len(self.buf)))
         cursor = 0
         for lo, hi in sorted(self.spans):
             if lo > cursor:
-                self.buf[cursor:lo] = memoryview(_zeros(len(self.buf)))[: lo - cursor]
+                buf[cursor:lo] = zeros[: lo - cursor]
             cursor = max(cursor, hi)
         if cursor < length:
-            self.buf[cursor:length] = memoryview(_zeros(len(self.buf)))[: length - cursor]
+            buf[cursor:length] = zeros[: length - cursor]
 
 
 _ZEROS: dict[int, bytes] = {}
@@ -801,7 +802,8 @@ class S3BlobWriter:
         for index, block in zip(range(first, last + 1), blocks):
             lo = max(offset, index * part)
             hi = min(end, (index + 1) * part)
-            block.buf[lo - index * part : hi - index * part] = view[lo - offset : hi - offset]
+            # memoryview slice assignment is a plain memcpy; bytearray slice assignment is ~15x slower.
+            memoryview(block.buf)[lo - index * part : hi - index * part] = view[lo - offset : hi - offset]
             spans.append((block, lo - index * part, hi - index * part))
         with self._cond:
             for block, lo, hi in spans:
@@ -933,8 +935,7 @@ class S3BlobWriter:
                 with self._cond:
                     self._state = "failed"
                 raise
-        else:
-            assert thread is not None
+        elif thread is not None:
             thread.join()
         with self._cond:
             if self._error is not None:
@@ -943,6 +944,7 @@ class S3BlobWriter:
                 raise StorageError(f"{self.key!r}: aborted during finish", tier=self._storage.uri, key=self.key)
             self._state = "done"
             self._sent = []
+            self._blocks.clear()  # writes past ``size``, if any, were cut off
 
     def abort(self) -> None:
         with self._cond:
