@@ -26,6 +26,7 @@ import functools
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         mem.destroy()
         server.kill()
+        shutil.rmtree(base, ignore_errors=True)
 
     def mbps(key: str) -> float:
         return size / statistics.median(results[key]) / 1e6
