@@ -56,14 +56,18 @@ def _restore(storage, step):
     import tiersave.checkpointer as cp
     from tiersave.commit import commit_for
 
-    # Until the Checkpointer picks its commit with commit_for, construct it with that (restore only).
-    original = cp.RenameCommit
-    cp.RenameCommit = commit_for  # type: ignore[assignment]
+    # A Checkpointer that still builds RenameCommit itself cannot open an object store: give it
+    # commit_for for this restore (once it chooses its commit by capabilities, nothing is patched).
+    patch = hasattr(cp, "RenameCommit")
+    if patch:
+        original = cp.RenameCommit
+        cp.RenameCommit = commit_for  # type: ignore[assignment]
     try:
         with tiersave.Checkpointer(storage) as ckpt:
             return ckpt.restore(step)
     finally:
-        cp.RenameCommit = original
+        if patch:
+            cp.RenameCommit = original
 
 
 @pytest.mark.s3
