@@ -252,14 +252,14 @@ class DCPAsyncMethod(DCPMethod):
     def save(self, index: int, state: State) -> SaveTiming:
         from torch.distributed.checkpoint import state_dict_saver
 
-        with _single_process():
+        with _single_process():  # the warning comes from the background thread too
             start = time.perf_counter()
             response = state_dict_saver.async_save(state, checkpoint_id=self._dir(index), no_dist=True)
             blocked = time.perf_counter() - start
-        if isinstance(response, state_dict_saver.AsyncSaveResponse):  # other stager types
-            response.upload_completion.result()
-        else:
-            response.result()
+            if isinstance(response, state_dict_saver.AsyncSaveResponse):  # other stager types
+                response.upload_completion.result()
+            else:
+                response.result()
         return SaveTiming(time.perf_counter() - start, blocked)
 
     def load(self, index: int, variant: str, template: State) -> tuple[float, State]:

@@ -2,15 +2,15 @@
 
 Procedure (in the spirit of the MLPerf Storage checkpointing workload):
 
-1. Build the GPT-like state (:mod:`tiersave.bench.workload`) and a zero-filled twin to load into, and
-   touch as much memory again once: on a virtual machine the first touch of guest memory is slow
-   (measured here: 0.7-1.1 GB/s the first time, 5.4 GB/s afterwards), and that one-time cost must not
-   land on whichever method happens to run first.
+1. Build the GPT-like state (:mod:`tiersave.bench.workload`) and a zero-filled twin to load into.
 2. Calibrate the auto I/O policy for the directory's file system (outside every timed region).
-3. ``warmup`` untimed rounds, then ``checkpoints`` timed rounds, each in an order rotated every round so
-   that slow drifts of a shared machine spread evenly: the raw device run, then every method's save
+3. ``warmup`` untimed rounds, then ``checkpoints`` timed rounds, each in an order rotated every round
+   so that slow drifts of a shared machine spread evenly: the raw device run, then every method's save
    (until durable) followed by its cold loads; the page cache is evicted before every timed operation;
-   each method's files are removed after its loads, so the disk holds one checkpoint at a time.
+   each method's files are removed after its loads, so the disk holds one checkpoint at a time. The
+   warm-up exists because a job's first save allocates staging memory that later saves reuse, and on a
+   virtual machine that hands freed memory back to its host (virtio-balloon free page reporting), new
+   memory costs 1-3 GB/s of page faults: a first round would measure the allocator, not the storage.
 4. Optionally (``ranks > 1``) tiersave alone in ``ranks`` processes, each saving and restoring its share.
 
 Every loaded state is spot-checked against the saved one outside the timed region.
@@ -235,19 +235,6 @@ def _spot_check(saved: dict[str, Any], loaded: dict[str, Any], method: str) -> N
             raise ConfigError(f"benchmark: {method} loaded different values for {name!r}")
 
 
-def _touch_memory(nbytes: int) -> None:
-    """Allocate, write and free ``nbytes`` so that later allocations find guest memory already backed."""
-    import numpy as np
-
-    block = 256 << 20
-    held = []
-    for _ in range(max(1, nbytes // block)):
-        buf = np.empty(block, dtype=np.uint8)
-        buf.fill(1)
-        held.append(buf)
-    del held
-
-
 def run_bench(config: BenchConfig, *, progress: ProgressFn | None = None) -> BenchResult:
     """Run the benchmark described by ``config`` and return its measurements.
 
@@ -290,7 +277,6 @@ def run_bench(config: BenchConfig, *, progress: ProgressFn | None = None) -> Ben
     tick("building the state")
     state = build_state(spec, seed=config.seed)
     template = empty_like_state(spec)
-    _touch_memory(2 * spec.nbytes)
     results = {m.name: MethodResult(m.name, m.family) for m in methods}
     raws: list[RawResult] = []
     eviction = "fadvise"
