@@ -67,6 +67,7 @@ class CheckpointInfo:
     stored_bytes: int
     world_size: int
     stats: dict[str, Any] = field(default_factory=dict)
+    tiers: tuple[str, ...] = ()
 
     @classmethod
     def from_manifest(cls, m: Manifest, location: str) -> CheckpointInfo:
@@ -94,6 +95,7 @@ class CheckpointInfo:
             "tensor_bytes": self.tensor_bytes,
             "stored_bytes": self.stored_bytes,
             "world_size": self.world_size,
+            "tiers": list(self.tiers),
         }
 
 

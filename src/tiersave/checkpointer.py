@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import builtins
 import logging
+import math
 import os
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,8 +45,8 @@ import numpy as np
 import torch
 
 from . import _lifecycle, knobs
-from .catalog import Catalog, CheckpointInfo, VerifyReport
-from .commit import RenameCommit
+from .catalog import CheckpointInfo, VerifyReport
+from .engine.copy import copy_checkpoint
 from .engine.pipeline import StagedWrite, plan_save
 from .engine.pool import DaemonThreadPool
 from .errors import (
@@ -62,12 +64,13 @@ from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
 from .format.layout import MAX_CHUNK_BYTES, MAX_STEP, align_up, is_valid_tag, shard_filename
 from .format.manifest import Manifest, ShardInfo, TensorEntry
 from .handle import SaveHandle
+from .policy import RetentionPolicy, plan_retention
 from .restore import Restore
 from .schedule import SaveCost, Schedule, parse_schedule
 from .stage import StagingArena
 from .state import flatten
-from .storage import open_storage
 from .storage.base import Storage
+from .tiers import Protection, Tier, TierRuntime, check_chain, to_policy
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,8 @@ class RestoreReport:
         bytes_read: tensor bytes read and verified.
         seconds: wall time of the restore.
         in_place: tensors read directly into the live state's memory.
-        skipped: ``(step, reason)`` for each newer checkpoint that could not be used.
+        skipped: ``(step, reason)`` for each copy (newer, or in a faster tier) that could not be used.
+        tier: the name of the tier it was read from.
     """
 
     step: int
@@ -95,6 +99,7 @@ class RestoreReport:
     seconds: float
     in_place: int
     skipped: list[tuple[int, str]] = field(default_factory=list)
+    tier: str = ""
 
 
 @dataclass
@@ -140,8 +145,9 @@ class Checkpointer:
 
     def __init__(
         self,
-        root: str | os.PathLike[str] | Storage,
+        root: str | os.PathLike[str] | Storage | None = None,
         *,
+        tiers: Sequence[Tier | str | os.PathLike[str] | Storage] | None = None,
         keep_last: int | None = None,
         io_threads: int | None = None,
         chunk_bytes: int | None = None,
@@ -168,24 +174,40 @@ class Checkpointer:
         if not exit_timeout_s >= 0:
             raise ConfigError(f"exit_timeout_s must be >= 0, got {exit_timeout_s!r}")
         self._schedule = parse_schedule(schedule)
-        self.storage: Storage = open_storage(root)
-        self.catalog = Catalog(self.storage)
+        if (root is None) == (tiers is None):
+            raise ConfigError("give either a root (one tier) or tiers=[...], not both and not neither")
+        chain: Sequence[Tier | str | os.PathLike[str] | Storage] = [root] if root is not None else (tiers or [])
+        specs = [t if isinstance(t, Tier) else Tier(t) for t in chain]
+        self._tiers: list[TierRuntime] = []
+        try:
+            for index, spec in enumerate(specs):
+                self._tiers.append(TierRuntime(spec, index, default_keep=keep_last, io_threads=threads))
+            check_chain(self._tiers)
+        except BaseException:
+            for built in self._tiers:
+                built.shutdown(wait=False)
+            raise
+        first = self._tiers[0]
+        self.storage: Storage = first.storage
+        self.catalog = first.catalog
+        self._commit = first.commit
+        self._protection = Protection()
         self.keep_last = keep_last
         self.chunk_bytes = chunk
         self.max_shard_bytes = max_shard_bytes
         self.on_busy: OnBusy = on_busy
         self.exit_timeout_s = float(exit_timeout_s)
-        self._commit = RenameCommit(self.storage)
         self._arena = StagingArena(staging_bytes)
         self._pool = DaemonThreadPool(threads, "tiersave-io")
         self._committer = DaemonThreadPool(1, "tiersave-commit")
-        local_root = getattr(self.storage, "root", None)
-        self.events = EventLog(Path(local_root) / EVENTS_NAME) if event_log and local_root is not None else None
+        self.events = _event_log(self._tiers) if event_log else None
         self._lock = threading.Lock()
         self._last: SaveHandle | None = None
         self._inflight: SaveHandle | None = None
         self._staging_step: int | None = None
         self._last_drain_s = 0.0
+        self._last_commit_mono: float | None = None
+        self._save_period_s: float | None = None
         self._closed = False
         self.skipped_saves = 0
         self.last_restore: RestoreReport | None = None
@@ -211,6 +233,8 @@ class Checkpointer:
         _lifecycle.unregister(self)
         self._committer.shutdown(wait=finished)
         self._pool.shutdown(wait=finished)
+        for tier in self._tiers:
+            tier.shutdown(wait=finished)
         if finished:
             self._arena.release()
             self._raise_unobserved()
@@ -244,7 +268,7 @@ class Checkpointer:
             raise ConfigError("this Checkpointer is closed")
 
     def wait(self, timeout: float | None = None, *, raise_errors: bool = True) -> bool:
-        """Wait until no save is in flight and its follow-up work (retention) is done.
+        """Wait until no save is in flight and its follow-up work (drains to later tiers, retention) is done.
 
         Returns:
             False if ``timeout`` seconds passed first.
@@ -261,12 +285,15 @@ class Checkpointer:
         # every other follow-up of the saves before it have run too.
         from concurrent.futures import TimeoutError as FutureTimeout
 
-        try:
-            self._committer.submit(lambda: None).result(timeout)
-        except FutureTimeout:
-            return False
-        except RuntimeError:  # the pool is already shut down: nothing can be pending
-            pass
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for pool in [self._committer, *(t.drainer for t in self._tiers if t.drainer is not None)]:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                pool.submit(lambda: None).result(remaining)
+            except FutureTimeout:
+                return False
+            except RuntimeError:  # the pool is already shut down: nothing can be pending
+                pass
         if raise_errors:
             err = pending.exception()
             if err is not None:
@@ -301,40 +328,95 @@ class Checkpointer:
 
     # -- listing ----------------------------------------------------------------------------------
 
+    @property
+    def tiers(self) -> builtins.list[str]:
+        """Names of the tiers, fastest first."""
+        return [t.name for t in self._tiers]
+
+    def _tier(self, name: str | None) -> TierRuntime:
+        if name is None:
+            return self._tiers[0]
+        for tier in self._tiers:
+            if tier.name == name:
+                return tier
+        raise ConfigError(f"no tier named {name!r}; tiers: {', '.join(self.tiers)}")
+
+    def _holdings(self) -> dict[int, builtins.list[TierRuntime]]:
+        """Committed step -> the tiers holding it, fastest first."""
+        out: dict[int, builtins.list[TierRuntime]] = {}
+        for tier in self._tiers:
+            for step in tier.catalog.steps():
+                out.setdefault(step, []).append(tier)
+        return out
+
     def list(self) -> builtins.list[CheckpointInfo]:
-        """Committed checkpoints with valid manifests, oldest first."""
-        return self.catalog.infos()
+        """Committed checkpoints with valid manifests, oldest first, each with the tiers that hold it.
+
+        The info describes the copy in the fastest tier holding the step.
+        """
+        out = []
+        for step, holders in sorted(self._holdings().items()):
+            for tier in holders:
+                try:
+                    info = tier.catalog.info(step)
+                except (FormatError, CheckpointNotFoundError):
+                    continue
+                out.append(replace(info, tiers=tuple(t.name for t in holders)))
+                break
+        return out
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest committed checkpoint with a valid manifest, or None."""
-        for step in reversed(self.catalog.steps()):
-            try:
-                return self.catalog.info(step)
-            except (FormatError, CheckpointNotFoundError):
-                continue
+        """The newest committed checkpoint with a valid manifest in any tier, or None."""
+        for step, holders in sorted(self._holdings().items(), reverse=True):
+            for tier in holders:
+                try:
+                    return replace(tier.catalog.info(step), tiers=tuple(t.name for t in holders))
+                except (FormatError, CheckpointNotFoundError):
+                    continue
         return None
 
-    def info(self, step: int) -> CheckpointInfo:
-        return self.catalog.info(step)
+    def info(self, step: int, *, tier: str | None = None) -> CheckpointInfo:
+        """The info of ``step`` on ``tier`` (default: the fastest tier holding it)."""
+        holders = self._holdings().get(step, [])
+        if tier is not None:
+            holders = [t for t in holders if t.name == self._tier(tier).name]
+        if not holders:
+            where = f"tier {tier!r}" if tier is not None else ", ".join(t.storage.uri for t in self._tiers)
+            raise CheckpointNotFoundError(f"no checkpoint of step {step} in {where}")
+        return replace(holders[0].catalog.info(step), tiers=tuple(t.name for t in self._holdings()[step]))
 
-    def verify(self, step: int | None = None) -> VerifyReport:
-        """Read every byte of a checkpoint (default: the newest) and check it against its checksums."""
+    def verify(self, step: int | None = None, *, tier: str | None = None) -> VerifyReport:
+        """Read every byte of a checkpoint (default: the newest) on ``tier`` (default: the first) and check
+        it against its checksums."""
+        runtime = self._tier(tier)
         if step is None:
-            steps = self.catalog.steps()
+            steps = runtime.catalog.steps()
             if not steps:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {self.storage.uri}")
+                raise CheckpointNotFoundError(f"no committed checkpoint in {runtime.storage.uri}")
             step = steps[-1]
-        return self.catalog.verify(step, executor=self._pool)
+        return runtime.catalog.verify(step, executor=self._pool)
 
-    def prune(self, keep_last: int) -> builtins.list[int]:
-        """Delete all but the ``keep_last`` newest checkpoints and the leftovers of interrupted saves.
+    def prune(
+        self, keep_last: int | None = None, *, policy: RetentionPolicy | str | None = None, tier: str | None = None
+    ) -> builtins.list[int]:
+        """Apply retention now: keep the ``keep_last`` newest (or what ``policy`` keeps) on ``tier`` (default:
+        every tier), never a checkpoint being read or drained, nor a tier's newest; also remove the
+        leftovers of interrupted saves.
 
         Returns:
-            The deleted steps.
+            The deleted steps (of every tier pruned).
         """
-        if not isinstance(keep_last, int) or keep_last < 1:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be a positive integer, got {keep_last!r}")
-        return self.catalog.prune(keep_last).deleted
+        if (keep_last is None) == (policy is None):
+            raise ConfigError("give prune() either keep_last or policy")
+        chosen = to_policy(keep_last if policy is None else policy)
+        deleted: builtins.list[int] = []
+        for runtime in [self._tier(tier)] if tier is not None else self._tiers:
+            deleted.extend(self._retain(runtime, chosen, warn=False))
+            if runtime.storage.capabilities.atomic_rename:
+                runtime.catalog.clean_leftovers()
+        return sorted(set(deleted))
 
     # -- scheduling -------------------------------------------------------------------------------
 
@@ -441,6 +523,7 @@ class Checkpointer:
             )
         if blocking:
             handle.result()
+            self._committer.submit(lambda: None).result()  # and the first tier's retention after it
         return handle
 
     def _stage(
@@ -517,7 +600,7 @@ class Checkpointer:
         return min(self.chunk_bytes, max(4096, (budget // 2) // 4096 * 4096))
 
     def _complete(self, p: _Pending) -> None:
-        """Commit thread: wait for the writes, make them durable, commit, then retention."""
+        """Commit thread: wait for the writes, make them durable, commit; then drains and retention."""
         handle, stats = p.handle, p.handle.stats
         try:
             p.job.wait_staged()
@@ -534,7 +617,7 @@ class Checkpointer:
             stats.total_s = time.perf_counter() - p.started
             manifest = Manifest(
                 step=handle.step,
-                shards=tuple(ShardInfo(s.file, 0, s.size) for s in plan.shards),
+                shards=tuple(ShardInfo(self._commit.shard_file(p.prefix, s.file), 0, s.size) for s in plan.shards),
                 tensors=tensors,
                 tree=p.tree,
                 chunk_bytes=plan.chunk_bytes,
@@ -556,11 +639,108 @@ class Checkpointer:
             return
         stats.total_s = time.perf_counter() - p.started
         self._last_drain_s = stats.total_s
+        now = time.monotonic()
+        if self._last_commit_mono is not None:
+            gap = now - self._last_commit_mono
+            self._save_period_s = gap if self._save_period_s is None else 0.7 * self._save_period_s + 0.3 * gap
+        self._last_commit_mono = now
         info = self.catalog.remember(manifest)
-        self._log_event({"step": handle.step, "outcome": "committed", "time": p.started_wall, **stats.to_json()})
+        self._log_event(
+            {
+                "step": handle.step,
+                "outcome": "committed",
+                "time": p.started_wall,
+                "tier": self._tiers[0].name,
+                **stats.to_json(),
+            }
+        )
+        for tier in self._tiers:
+            if tier.index > 0 and tier.due(now):
+                self._send(tier, handle, now)
         handle._set_result(info)
-        if self.keep_last is not None:
-            self._retain(self.keep_last)
+        self._retain(self._tiers[0], self._tiers[0].policy)
+
+    # -- drains to later tiers ---------------------------------------------------------------------
+
+    def _send(self, tier: TierRuntime, handle: SaveHandle, now: float) -> None:
+        """Queue the drain of ``handle``'s checkpoint to ``tier``; a tier still busy with an earlier one
+        cannot keep up: this save is not sent to it and its cadence is widened (a warning says so)."""
+        if tier.drainer is None:
+            return
+        if tier.busy is not None and not tier.busy.done():
+            tier.skipped += 1
+            running = now - (tier.last_sent_mono or now)
+            tier.widened_every = max(tier.every + 1, self._needed_every(tier, max(tier.last_drain_s, running)))
+            self._log_event(
+                {
+                    "step": handle.step,
+                    "tier": tier.name,
+                    "outcome": "drain_skipped",
+                    "time": time.time(),
+                    "reason": "previous drain still running",
+                }
+            )
+            _background_warning(
+                f"tier {tier.name} ({tier.storage.uri}) cannot keep up: it is still copying an earlier checkpoint "
+                f"({running:.1f} s so far), so step {handle.step} is not sent to it; it now gets every "
+                f"{tier.every}-th checkpoint (configured: every {tier.spec.every}; {tier.skipped} skipped so far)"
+            )
+            return
+        future: Future[CheckpointInfo | None] = Future()
+        handle.tiers[tier.name] = future
+        tier.sent += 1
+        tier.last_sent_mono = now
+        self._protection.hold(0, handle.step)  # the source copy must outlive the drain
+        tier.busy = tier.drainer.submit(self._drain, tier, handle.step, future)
+
+    def _needed_every(self, tier: TierRuntime, drain_s: float) -> int:
+        """How many saves apart a tier whose drain takes ``drain_s`` must receive them to keep up (the
+        schedule's answer when it has one, else from the measured time between saves)."""
+        tier_every = getattr(self._schedule, "tier_every", None)
+        if callable(tier_every):
+            return max(1, int(tier_every(drain_s)))
+        period = self._save_period_s
+        return max(1, math.ceil(drain_s / period)) if period and period > 0 else 1
+
+    def _drain(self, tier: TierRuntime, step: int, future: Future[CheckpointInfo | None]) -> None:
+        source = self._tiers[0]
+        started, started_wall = time.perf_counter(), time.time()
+        try:
+            result = copy_checkpoint(source.storage, tier.storage, step, if_exists="skip", executor=tier.copier)
+            info = tier.catalog.info(step)
+        except BaseException as exc:
+            self._protection.release(0, step)
+            self._log_event(
+                {"step": step, "tier": tier.name, "outcome": "drain_failed", "time": started_wall, "error": str(exc)}
+            )
+            _background_warning(
+                f"copying step {step} to tier {tier.name} ({tier.storage.uri}) failed: {exc}; the checkpoint is "
+                f"safe on {source.name}, and the next due save will be sent again"
+            )
+            future.set_exception(exc)  # after the warning: whoever waits on the future has seen both
+            return
+        self._protection.release(0, step)
+        seconds = time.perf_counter() - started
+        tier.last_drain_s = seconds
+        self._log_event(
+            {
+                "step": step,
+                "tier": tier.name,
+                "outcome": "drained",
+                "time": started_wall,
+                "total_s": round(seconds, 6),
+                "stored_bytes": result.stored_bytes,
+                "write_gbps": round(result.stored_bytes / seconds / 1e9, 4) if seconds > 0 else 0.0,
+            }
+        )
+        future.set_result(info)
+        self._adjust_cadence(tier)
+        self._retain(tier, tier.policy)
+
+    def _adjust_cadence(self, tier: TierRuntime) -> None:
+        """After a drain: a widened tier whose drains got faster returns toward its configured cadence."""
+        if tier.widened_every > 1:
+            tier.widened_every = min(tier.widened_every, self._needed_every(tier, tier.last_drain_s))
 
     def _log_event(self, record: dict[str, Any]) -> None:
         if self.events is not None:
@@ -572,11 +752,22 @@ class Checkpointer:
         except Exception:  # keep the original error; prune removes what is left
             log.warning("could not remove %s after a failed save", prefix, exc_info=True)
 
-    def _retain(self, keep_last: int) -> None:
+    def _retain(self, tier: TierRuntime, policy: RetentionPolicy | None, *, warn: bool = True) -> builtins.list[int]:
+        """Delete what ``policy`` does not keep on ``tier``: never a protected step (being drained from or
+        read), never the tier's newest checkpoint. Returns the deleted steps."""
+        if policy is None:
+            return []
+        deleted = []
         try:
-            self.prune(keep_last)
+            plan = plan_retention(tier.catalog.infos(), policy, protected=self._protection.steps(tier.index))
+            for step in plan.delete:
+                tier.catalog.delete(step)
+                deleted.append(step)
         except TiersaveError as exc:
-            warnings.warn(f"retention after save failed: {exc}", TiersaveWarning, stacklevel=3)
+            if not warn:
+                raise
+            _background_warning(f"retention on tier {tier.name} failed: {exc}")
+        return deleted
 
     def _raise_unobserved(self) -> None:
         last = self._last
@@ -603,9 +794,12 @@ class Checkpointer:
         device allow (no extra full copy), stateful objects get ``load_state_dict``, and dicts/lists are
         updated in place; ``into`` itself is returned. Without it, a new tree of CPU tensors is returned.
 
+        Tiers are tried fastest first: a copy that is missing or fails verification is reported
+        (``TiersaveWarning``) and the same step is read from the next tier holding it; with ``step=None``,
+        when no tier has a good copy of the newest step, the next older step is tried.
+
         Args:
-            step: the step to restore; None means the newest. When None, a checkpoint that fails to read
-                or verify is reported (``TiersaveWarning``) and the next older one is tried.
+            step: the step to restore; None means the newest.
             tag: restore the newest checkpoint carrying this tag.
             into: the live state to load into (same structure as saved).
             strict: with ``into``, fail when ``into`` has keys the checkpoint lacks.
@@ -620,42 +814,82 @@ class Checkpointer:
         """
         self._check_open()
         start = time.perf_counter()
-        candidates = self.catalog.find(step, tag)
-        if not candidates:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {self.storage.uri}")
-        skipped: list[tuple[int, str]] = []
-        last_error: TiersaveError | None = None
-        for candidate in candidates:
+        holders: dict[int, builtins.list[TierRuntime]] = {}
+        missing: builtins.list[CheckpointNotFoundError] = []
+        for tier in self._tiers:
             try:
-                result, nbytes, in_place = self._restore_one(candidate, into, strict)
-            except (FormatError, CheckpointNotFoundError, ObjectNotFoundError) as exc:
-                if step is not None:
-                    raise
-                last_error = exc
-                skipped.append((candidate, str(exc)))
-                warnings.warn(
-                    f"skipping checkpoint of step {candidate} in {self.storage.uri}: {exc}",
-                    TiersaveWarning,
-                    stacklevel=2,
-                )
+                found = tier.catalog.find(step, tag)
+            except CheckpointNotFoundError as exc:
+                missing.append(exc)
                 continue
-            self.last_restore = RestoreReport(
-                candidate,
-                self.catalog.location(candidate),
-                nbytes,
-                time.perf_counter() - start,
-                in_place,
-                skipped,
-            )
-            return result
+            for s in found:
+                holders.setdefault(s, []).append(tier)
+        if not holders:
+            if len(missing) == 1:
+                raise missing[0]
+            if missing:
+                raise CheckpointNotFoundError("; ".join(str(e) for e in missing))
+            where = ", ".join(t.storage.uri for t in self._tiers)
+            raise CheckpointNotFoundError(f"no committed checkpoint in {where}")
+        skipped: builtins.list[tuple[int, str]] = []
+        last_error: TiersaveError | None = None
+        for candidate in sorted(holders, reverse=True):
+            for tier in holders[candidate]:
+                try:
+                    result, nbytes, in_place = self._restore_one(tier, candidate, into, strict)
+                except (FormatError, CheckpointNotFoundError, ObjectNotFoundError) as exc:
+                    last_error = exc
+                    skipped.append((candidate, f"on {tier.name}: {exc}"))
+                    fallback = "another tier" if tier is not holders[candidate][-1] else "an older checkpoint"
+                    if step is not None and tier is holders[candidate][-1]:
+                        break
+                    warnings.warn(
+                        f"skipping the copy of step {candidate} on tier {tier.name} ({tier.storage.uri}): {exc}; "
+                        f"trying {fallback}",
+                        TiersaveWarning,
+                        stacklevel=2,
+                    )
+                    continue
+                self.last_restore = RestoreReport(
+                    candidate,
+                    tier.catalog.location(candidate),
+                    nbytes,
+                    time.perf_counter() - start,
+                    in_place,
+                    skipped,
+                    tier.name,
+                )
+                return result
+        if step is not None and last_error is not None and len(skipped) == 1:
+            raise last_error
         raise CorruptCheckpointError(
-            f"no usable checkpoint in {self.storage.uri}: every candidate failed "
-            + "; ".join(f"step {s}: {why}" for s, why in skipped)
+            "no usable checkpoint: every candidate failed: " + "; ".join(f"step {s} {why}" for s, why in skipped)
         ) from last_error
 
-    def _restore_one(self, step: int, into: Any, strict: bool) -> tuple[Any, int, int]:
-        with self.catalog.open(step) as ckpt:
-            return Restore(ckpt, into, strict).run(self._pool)
+    def _restore_one(self, tier: TierRuntime, step: int, into: Any, strict: bool) -> tuple[Any, int, int]:
+        self._protection.hold(tier.index, step)  # retention must not delete what we are reading
+        try:
+            with tier.catalog.open(step) as ckpt:
+                return Restore(ckpt, into, strict).run(self._pool)
+        finally:
+            self._protection.release(tier.index, step)
+
+
+def _background_warning(message: str) -> None:
+    """Warn from a background thread: logged always, and a ``TiersaveWarning`` unless warnings are
+    configured as errors (an exception here would kill the thread doing the work, not reach the user)."""
+    log.warning("%s", message)
+    try:
+        warnings.warn(message, TiersaveWarning, stacklevel=2)
+    except Warning:
+        pass
+
+
+def _event_log(tiers: Sequence[TierRuntime]) -> EventLog | None:
+    """The event log goes in the first local tier that is durable, else the first local one."""
+    local = [t for t in tiers if getattr(t.storage, "root", None) is not None]
+    chosen = next((t for t in local if t.storage.capabilities.durable), local[0] if local else None)
+    return EventLog(Path(chosen.storage.root) / EVENTS_NAME) if chosen is not None else None  # type: ignore[attr-defined]
 
 
 def _validate_save_args(

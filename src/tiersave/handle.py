@@ -69,6 +69,8 @@ class SaveHandle:
         self._staged = threading.Event()
         self._future: Future[CheckpointInfo | None] = Future()
         self._observed = False
+        self.tiers: dict[str, Future[CheckpointInfo | None]] = {}
+        """Per later tier that this save is sent to: its future, done when durable there."""
 
     @classmethod
     def skipped_save(cls, step: int) -> SaveHandle:
@@ -134,6 +136,26 @@ class SaveHandle:
             raise
         self._observed = True
         return info
+
+    def tier_result(self, tier: str, timeout: float | None = None) -> CheckpointInfo | None:
+        """Wait until the checkpoint is durable on ``tier`` (a later tier of the chain) and return its info
+        there; re-raise the drain's error. The first tier is ``result()``.
+
+        Raises:
+            ConfigError: this save is not sent to ``tier`` (its cadence skipped it).
+        """
+        from .errors import ConfigError
+
+        future = self.tiers.get(tier)
+        if future is None:
+            raise ConfigError(
+                f"the save of step {self.step} is not sent to tier {tier!r} "
+                f"(sent to: {', '.join(self.tiers) or 'no later tier'})"
+            )
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            raise SaveTimeoutError(f"step {self.step} not durable on {tier} after {timeout} s") from None
 
     def exception(self) -> BaseException | None:
         """The save's error once done (marks it observed), else None."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same
 
 import tiersave
+from conftest import assert_same
 
 pytestmark = [
     pytest.mark.gpu,

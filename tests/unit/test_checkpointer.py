@@ -183,7 +183,7 @@ def test_corrupt_newest_falls_back_with_a_warning_but_explicit_step_raises(root)
         data = bytearray(shard.read_bytes())
         data[100] ^= 0x01
         shard.write_bytes(bytes(data))
-        with pytest.warns(tiersave.TiersaveWarning, match="skipping checkpoint of step 2"):
+        with pytest.warns(tiersave.TiersaveWarning, match="skipping the copy of step 2 on tier local"):
             restored = ckpt.restore()
         assert_same(restored, state_for(1))
         assert ckpt.last_restore.step == 1

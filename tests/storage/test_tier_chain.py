@@ -1,0 +1,184 @@
+"""A Checkpointer over a chain of real tiers: /dev/shm memory -> local ext4 -> SeaweedFS S3.
+
+Cadence per tier, background drains acknowledged per tier, restore from the fastest valid copy with
+fallback, per-tier retention that never deletes a drain's source, slow tiers widened, drain failures
+reported without losing the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+
+import pytest
+import torch
+
+import tiersave
+from conftest import S3_TEST_OPTIONS, assert_same
+from tiersave.storage.local import LocalStorage
+from tiersave.storage.memory import MemoryStorage
+from tiersave.testing.faults import Fault, FaultyStorage
+from tiersave.tiers import Tier
+
+
+def state_for(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 1024, generator=g), "b": torch.randn(33, generator=g), "step": step}
+
+
+@pytest.fixture
+def mem_uri():
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield f"mem://{name}"
+    MemoryStorage(name).destroy()
+
+
+@pytest.fixture
+def s3_uri(seaweed, s3_bucket, monkeypatch):
+    """An s3:// URI whose credentials come from the standard AWS environment variables."""
+    seaweed.storage(s3_bucket, "run").close()  # creates the bucket
+    for key, value in seaweed.env().items():
+        monkeypatch.setenv(key, value)
+    return seaweed.uri(s3_bucket, "run", **S3_TEST_OPTIONS)
+
+
+def test_chain_cadence_drains_and_listing(mem_uri, s3_uri, tmp_path):
+    tiers = [Tier(mem_uri), Tier(tmp_path / "local", every=2), Tier(s3_uri, every=3, keep=5)]
+    with tiersave.Checkpointer(tiers=tiers) as ckpt:
+        assert ckpt.tiers == ["memory", "local", "s3"]
+        handles = []
+        for step in range(1, 7):
+            handles.append(ckpt.save(step, state_for(step)))
+            ckpt.wait()  # saves minutes apart in a real job; here, let each drain finish first
+        assert handles[5].tier_result("s3", timeout=120).step == 6
+        assert handles[3].tier_result("local", timeout=120).step == 4
+        with pytest.raises(tiersave.ConfigError, match="not sent to tier 's3'"):
+            handles[0].tier_result("s3")
+        ckpt.wait()
+        holdings = {i.step: i.tiers for i in ckpt.list()}
+        assert holdings == {2: ("local",), 3: ("s3",), 4: ("local",), 5: ("memory",), 6: ("memory", "local", "s3")}
+        restored = ckpt.restore()
+        assert ckpt.last_restore.tier == "memory" and ckpt.last_restore.step == 6
+        assert_same(restored, state_for(6))
+        assert_same(ckpt.restore(3), state_for(3))  # only the object store has it
+        assert ckpt.last_restore.tier == "s3"
+        assert ckpt.verify(6, tier="s3").ok
+
+
+def test_corrupt_fast_copy_falls_back_to_the_next_tier(mem_uri, tmp_path):
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(tmp_path / "local")]) as ckpt:
+        ckpt.save(1, state_for(1))
+        ckpt.wait()
+        shard = MemoryStorage(mem_uri.removeprefix("mem://")).root / "step-0000000001" / "shard-00000-000.bin"
+        data = bytearray(shard.read_bytes())
+        data[10] ^= 1
+        shard.write_bytes(bytes(data))
+        with pytest.warns(
+            tiersave.TiersaveWarning, match="skipping the copy of step 1 on tier memory.*trying another tier"
+        ):
+            restored = ckpt.restore()
+        assert_same(restored, state_for(1))
+        assert ckpt.last_restore.tier == "local" and "checksum mismatch" in ckpt.last_restore.skipped[0][1]
+        with pytest.warns(tiersave.TiersaveWarning):
+            assert_same(ckpt.restore(1), state_for(1))  # an explicit step also falls back across tiers
+
+
+def test_process_crash_with_the_checkpoint_only_in_memory(mem_uri, tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, torch, tiersave
+        from tiersave.tiers import Tier
+        ckpt = tiersave.Checkpointer(tiers=[Tier({mem_uri!r}), Tier({str(tmp_path / "local")!r}, every=100)])
+        g = torch.Generator().manual_seed(4)
+        ckpt.save(4, {{"w": torch.randn(256, 1024, generator=g), "b": torch.randn(33, generator=g), "step": 4}})
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(tmp_path / "local", every=100)]) as ckpt:
+        assert [i.tiers for i in ckpt.list()] == [("memory",)]
+        assert_same(ckpt.restore(), state_for(4))
+        assert ckpt.last_restore.tier == "memory"
+
+
+def test_retention_never_deletes_a_drain_source(mem_uri, tmp_path):
+    gate = threading.Event()
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    tiers = [Tier(mem_uri, keep=1), Tier(slow, name="slow", every=1)]
+    with tiersave.Checkpointer(tiers=tiers) as ckpt:
+        h1 = ckpt.save(1, state_for(1))  # its drain blocks on the gate
+        with pytest.warns(tiersave.TiersaveWarning, match="tier slow .* cannot keep up"):
+            ckpt.save(2, state_for(2))  # tier slow is busy: skipped for it
+        mem = ckpt._tiers[0].catalog
+        assert mem.steps() == [1, 2]  # keep=1, but step 1 is the source of a running drain
+        gate.set()
+        assert h1.tier_result("slow", timeout=60).step == 1
+        for step in range(3, 9):
+            ckpt.save(step, state_for(step))
+            ckpt.wait()
+        assert mem.steps() == [8]  # the drain is over: step 1 was released to retention
+        slow_steps = ckpt._tiers[1].catalog.steps()
+        assert slow_steps[0] == 1 and len(slow_steps) >= 2 and 2 not in slow_steps
+
+
+def test_a_failed_drain_is_reported_and_the_checkpoint_stays_safe(mem_uri, tmp_path):
+    flaky = FaultyStorage(LocalStorage(tmp_path / "flaky"), [Fault("finish", 1)])
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(flaky, name="flaky")]) as ckpt:
+        with pytest.warns(tiersave.TiersaveWarning, match="copying step 1 to tier flaky .* failed"):
+            handle = ckpt.save(1, state_for(1))
+            with pytest.raises(tiersave.StorageError, match="injected"):
+                handle.tier_result("flaky", timeout=60)
+        assert ckpt._tiers[1].catalog.steps() == []
+        ckpt.save(2, state_for(2))
+        ckpt.wait()
+        assert {i.step: i.tiers for i in ckpt.list()} == {1: ("memory",), 2: ("memory", "flaky")}
+    events = [e for e in tiersave.events.read_events(os.path.join(tmp_path, "flaky", "tiersave-events.jsonl"))]
+    assert [(e["step"], e.get("tier"), e["outcome"]) for e in events if e.get("tier") == "flaky"] == [
+        (1, "flaky", "drain_failed"),
+        (2, "flaky", "drained"),
+    ]
+
+
+def test_slow_tier_cadence_is_widened_from_measured_drains(mem_uri, tmp_path):
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), delays={"finish": 0.6})
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(slow, name="slow")]) as ckpt:
+
+        def burst():
+            for step in range(1, 9):  # saves arrive much faster than the slow tier drains
+                ckpt.save(step, state_for(step))
+            ckpt.wait()
+
+        with pytest.warns(tiersave.TiersaveWarning, match="tier slow .* cannot keep up"):
+            burst()
+        tier = ckpt._tiers[1]
+        assert tier.every > 1  # widened
+        assert 1 <= len(tier.catalog.steps()) < 8
+
+
+@pytest.mark.parametrize(
+    ("tiers", "fragment"),
+    [
+        (lambda p, m: [Tier(m, every=2), Tier(p / "a")], "the first tier"),
+        (lambda p, m: [Tier(p / "a", name="x"), Tier(p / "b", name="x")], "tier names must differ"),
+        (lambda p, m: [Tier(p / "a"), Tier(p / "a", name="again")], "two tiers point at the same place"),
+        (lambda p, m: [], "at least one tier"),
+    ],
+)
+def test_bad_chains(tmp_path, mem_uri, tiers, fragment):
+    with pytest.raises(tiersave.ConfigError, match=fragment):
+        tiersave.Checkpointer(tiers=tiers(tmp_path, mem_uri))
+
+
+def test_tier_arguments_are_validated(tmp_path):
+    with pytest.raises(tiersave.ConfigError, match="every must be a positive integer"):
+        Tier(tmp_path, every=0)
+    with pytest.raises(tiersave.ConfigError, match="either every"):
+        Tier(tmp_path, every=2, every_s=10)
+    with pytest.raises(tiersave.ConfigError, match="either a root"):
+        tiersave.Checkpointer(tmp_path / "a", tiers=[tmp_path / "b"])
+    with pytest.raises(tiersave.ConfigError, match="unknown retention part"):
+        tiersave.Checkpointer(tiers=[Tier(tmp_path / "a", keep="most=3")])
