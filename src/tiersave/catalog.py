@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +35,7 @@ from .format.layout import (
     trash_dirname,
 )
 from .format.manifest import Manifest, TensorEntry
+from .policy import KeepLast, RetentionPolicy, plan_retention
 from .storage.base import BlobReader, Storage
 
 log = logging.getLogger(__name__)
@@ -379,33 +380,57 @@ class Catalog:
             self.storage.delete(f"{name}/{MANIFEST_NAME}")  # the commit marker goes first
             self.storage.delete_prefix(name)
 
-    def prune(self, keep_last: int | None, *, dry_run: bool = False, force: bool = False) -> PruneResult:
-        """Delete all but the ``keep_last`` newest checkpoints (None: keep all) and removable leftovers.
+    def prune(
+        self,
+        keep_last: int | None = None,
+        *,
+        policy: RetentionPolicy | None = None,
+        protected: Collection[int] = (),
+        dry_run: bool = False,
+        force: bool = False,
+        leftovers: bool = True,
+    ) -> PruneResult:
+        """Apply retention (``keep_last`` newest, or ``policy``; neither: delete no checkpoint) and remove
+        the leftovers of interrupted saves. The newest checkpoint and ``protected`` steps always stay.
 
         Args:
             dry_run: report what would be deleted, delete nothing.
-            force: also remove temporary directories made on other hosts.
+            force: also remove temporary directories or attempts made on other hosts.
+            leftovers: also look for (and remove) leftovers of interrupted saves.
         """
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        if keep_last is not None and policy is not None:
+            raise ConfigError("give either keep_last or policy, not both")
+        chosen = KeepLast(keep_last) if keep_last is not None else policy
         steps = self.steps()
-        doomed = steps[:-keep_last] if keep_last else []
-        leftovers = self.leftovers()
-        removable = [n for n, s in leftovers if s == "dead" or (s == "unknown" and force)]
+        if chosen is None:
+            doomed: list[int] = []
+        else:
+            infos = [info for _, info, _ in self.entries() if info is not None]
+            # unreadable manifests are never deleted by retention: a person should look at them
+            doomed = list(plan_retention(infos, chosen, protected=protected).delete)
+        found = self.leftovers() if leftovers else []
+        removable = [n for n, s in found if s == "dead" or (s == "unknown" and force)]
         if not dry_run:
             for step in doomed:
                 self.delete(step)
-            removable = self.clean_leftovers(force=force)
+            removable = self.clean_leftovers(force=force) if leftovers else []
         return PruneResult(
             deleted=doomed,
             kept=[s for s in steps if s not in doomed],
             leftovers_removed=removable,
-            live_saves=[n for n, s in leftovers if s == "live"],
+            live_saves=[n for n, s in found if s == "live"],
         )
 
     def leftovers(self) -> list[tuple[str, str]]:
-        """Temporary and trash directories with their status: ``dead`` (its save or delete was
-        interrupted), ``live`` (a running save on this host) or ``unknown`` (made on another host)."""
+        """Leftovers of interrupted saves and deletes with their status: ``dead`` (interrupted), ``live``
+        (a running save on this host) or ``unknown`` (made on another host). On a file system these are
+        temporary and trash directories; on an object store, save attempts no manifest refers to."""
+        if not self.storage.capabilities.atomic_rename:
+            from .commit import MarkerCommit
+
+            return [(item.prefix, item.status) for item in MarkerCommit(self.storage).leftovers()]
         out = []
         for name in self.storage.list_dirs(""):
             if not is_leftover(name):
@@ -415,8 +440,12 @@ class Catalog:
         return out
 
     def clean_leftovers(self, *, force: bool = False) -> list[str]:
-        """Remove leftovers of interrupted saves and deletes. A live save's directory is always kept;
-        one made on another host (shared file system) only with ``force``."""
+        """Remove leftovers of interrupted saves and deletes. A live save's data is always kept; data made
+        on another host (shared file system, object store) only with ``force``."""
+        if not self.storage.capabilities.atomic_rename:
+            from .commit import MarkerCommit
+
+            return MarkerCommit(self.storage).clean_leftovers(force=force)
         removed = []
         for name, status in self.leftovers():
             if status == "dead" or (status == "unknown" and force):

@@ -64,7 +64,7 @@ from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
 from .format.layout import MAX_CHUNK_BYTES, MAX_STEP, align_up, is_valid_tag, shard_filename
 from .format.manifest import Manifest, ShardInfo, TensorEntry
 from .handle import SaveHandle
-from .policy import RetentionPolicy, plan_retention
+from .policy import RetentionPolicy
 from .restore import Restore
 from .schedule import SaveCost, Schedule, parse_schedule
 from .stage import StagingArena
@@ -752,22 +752,23 @@ class Checkpointer:
         except Exception:  # keep the original error; prune removes what is left
             log.warning("could not remove %s after a failed save", prefix, exc_info=True)
 
-    def _retain(self, tier: TierRuntime, policy: RetentionPolicy | None, *, warn: bool = True) -> builtins.list[int]:
+    def _retain(
+        self, tier: TierRuntime, policy: RetentionPolicy | None, *, warn: bool = True, leftovers: bool = False
+    ) -> builtins.list[int]:
         """Delete what ``policy`` does not keep on ``tier``: never a protected step (being drained from or
         read), never the tier's newest checkpoint. Returns the deleted steps."""
-        if policy is None:
+        if policy is None and not leftovers:
             return []
-        deleted = []
         try:
-            plan = plan_retention(tier.catalog.infos(), policy, protected=self._protection.steps(tier.index))
-            for step in plan.delete:
-                tier.catalog.delete(step)
-                deleted.append(step)
+            result = tier.catalog.prune(
+                policy=policy, protected=self._protection.steps(tier.index), leftovers=leftovers
+            )
         except TiersaveError as exc:
             if not warn:
                 raise
             _background_warning(f"retention on tier {tier.name} failed: {exc}")
-        return deleted
+            return []
+        return result.deleted
 
     def _raise_unobserved(self) -> None:
         last = self._last

@@ -175,3 +175,42 @@ print('ok')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
+
+
+def test_ls_across_tiers(capsys, tmp_path):
+    from tiersave.tiers import Tier
+
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    with tiersave.Checkpointer(tiers=[Tier(fast, name="fast"), Tier(slow, name="slow", every=2)]) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, {"w": torch.ones(3) * step})
+            ckpt.wait()
+    code, doc = run_json(capsys, "ls", str(fast), f"file://{slow}")
+    assert code == 0
+    # two local roots get numbered names, in the order given (fastest first)
+    assert [r["name"] for r in doc["roots"]] == ["local0", "local1"]
+    assert {c["step"]: c["tiers"] for c in doc["checkpoints"]} == {
+        1: ["local0"],
+        2: ["local0", "local1"],
+        3: ["local0"],
+        4: ["local0", "local1"],
+    }
+    assert main(["ls", str(fast), f"file://{slow}"]) == 0
+    assert "tiers" in capsys.readouterr().out
+
+
+def test_prune_with_a_retention_policy(capsys, root):
+    with tiersave.Checkpointer(root) as ckpt:
+        for step in range(100, 1100, 100):
+            ckpt.save(
+                step,
+                {"w": torch.ones(2)},
+                metrics={"loss": abs(step - 400) / 100},
+                tags=["milestone"] if step == 200 else [],
+            )
+    code, doc = run_json(capsys, "prune", str(root), "--policy", "last=2,best=1:loss:min,tag=milestone", "--dry-run")
+    assert code == 0 and doc["kept"] == [200, 400, 900, 1000]
+    assert main(["prune", str(root), "--policy", "last=2,best=1:loss:min,tag=milestone"]) == 0
+    assert listing(root) == ["step-0000000200", "step-0000000400", "step-0000000900", "step-0000001000"]
+    assert main(["prune", str(root), "--policy", "most=3"]) == 2
+    assert "unknown retention part 'most'" in capsys.readouterr().err

@@ -12,10 +12,11 @@ from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, human_bytes, 
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "ls",
-        help="list the checkpoints under a root",
-        description="List committed checkpoints (and leftovers of interrupted saves).",
+        help="list the checkpoints under one or more roots (tiers)",
+        description="List committed checkpoints and leftovers of interrupted saves. With several roots (the "
+        "tiers of one run, fastest first), show which tiers hold which step.",
     )
-    p.add_argument("root", help="checkpoint root: a directory or file:// URI")
+    p.add_argument("root", nargs="+", help="checkpoint root: a path, file://, mem://NAME or s3://bucket/prefix")
     add_json_flag(p)
     p.set_defaults(handler=_ls)
 
@@ -53,18 +54,36 @@ def _catalog(root: str) -> Any:
 
 
 def _ls(args: argparse.Namespace, out: Output) -> int:
-    catalog = _catalog(args.root)
+    from ..tiers import default_name
+
+    catalogs = [_catalog(root) for root in args.root]
+    names = [default_name(root, c.storage) for root, c in zip(args.root, catalogs)]
+    if len(set(names)) != len(names):
+        names = [f"{n}{i}" for i, n in enumerate(names)]
+    held: dict[int, list[str]] = {}
+    infos: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    for name, catalog in zip(names, catalogs):
+        for step, info, err in catalog.entries():
+            held.setdefault(step, []).append(name)
+            if info is not None and step not in infos:
+                infos[step] = info
+            elif info is None:
+                errors.setdefault(step, f"{name}: {err}")
     rows, items = [], []
-    for step, info, err in catalog.entries():
+    for step in sorted(held):
+        tiers = ",".join(held[step])
+        info = infos.get(step)
         if info is None:
-            items.append({"step": step, "error": str(err)})
-            rows.append([str(step), "-", "-", "-", "-", f"UNREADABLE: {err}"])
+            items.append({"step": step, "tiers": held[step], "error": errors.get(step, "")})
+            rows.append([str(step), tiers, "-", "-", "-", "-", f"UNREADABLE: {errors.get(step, '')}"])
             continue
-        items.append(info.to_json())
+        items.append({**info.to_json(), "tiers": held[step]})
         metrics = " ".join(f"{k}={v:.6g}" for k, v in sorted(info.metrics.items()))
         rows.append(
             [
                 str(step),
+                tiers,
                 info.created_at.replace("T", " ")[:19],
                 human_bytes(info.stored_bytes),
                 str(info.num_tensors),
@@ -72,17 +91,23 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
                 metrics or "-",
             ]
         )
-    leftovers = [{"name": n, "status": s} for n, s in catalog.leftovers()]
-    text = (
-        table(["step", "created (UTC)", "size", "tensors", "tags", "metrics"], rows)
-        if rows
-        else f"no checkpoints in {catalog.storage.uri}"
-    )
+    leftovers = [{"root": c.storage.uri, "name": n, "status": s} for c in catalogs for n, s in c.leftovers()]
+    headers = ["step", "tiers", "created (UTC)", "size", "tensors", "tags", "metrics"]
+    if len(catalogs) == 1:  # one root: no tiers column
+        headers.pop(1)
+        rows = [r[:1] + r[2:] for r in rows]
+    where = ", ".join(c.storage.uri for c in catalogs)
+    text = table(headers, rows) if rows else f"no checkpoints in {where}"
     if leftovers:
         text += "\n\nleftovers (removed by `tiersave prune`):\n" + "\n".join(
-            f"  {x['name']}  ({x['status']})" for x in leftovers
+            f"  {x['root']}: {x['name']}  ({x['status']})" for x in leftovers
         )
-    out.emit({"root": catalog.storage.uri, "checkpoints": items, "leftovers": leftovers}, text)
+    doc: dict[str, Any] = {"checkpoints": items, "leftovers": leftovers}
+    if len(catalogs) == 1:
+        doc["root"] = catalogs[0].storage.uri
+    else:
+        doc["roots"] = [{"name": n, "uri": c.storage.uri} for n, c in zip(names, catalogs)]
+    out.emit(doc, text)
     return EXIT_OK
 
 
