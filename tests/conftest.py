@@ -3,23 +3,19 @@ the file system; fault injection uses small wrappers around the real storage."""
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import sys
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 
-# Tests import helpers from tests/ (e.g. `from helpers import ...`).
+# Test modules import shared helpers with `from helpers import ...` (tests/helpers.py). Helpers do not
+# live here: pytest imports every conftest.py as the module "conftest", so `from conftest import x`
+# would depend on which directory's conftest was imported last.
 sys.path.insert(0, os.path.dirname(__file__))
 
-
-def listing(root: Path) -> list[str]:
-    """Names in a checkpoint root, without the save event log (tiersave-events.jsonl)."""
-    return sorted(p.name for p in root.iterdir() if not p.name.startswith("tiersave-events"))
+from helpers import assert_same, listing  # noqa: F401  (for modules still doing `from conftest import`)
 
 
 @pytest.fixture
@@ -36,52 +32,3 @@ def seed(request: pytest.FixtureRequest) -> int:
     value = int(os.environ.get("TIERSAVE_TEST_SEED", random.randrange(1 << 30)))
     print(f"\n[{request.node.name}] seed={value} (replay: TIERSAVE_TEST_SEED={value})")
     return value
-
-
-def assert_same(a: Any, b: Any, path: str = "") -> None:
-    """Deep equality with exact tensor bytes, dtypes and shapes, and NaN == NaN."""
-    import torch
-
-    where = path or "<root>"
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{where}: {type(b)} is not a tensor"
-        assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape), (
-            f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-        )
-        if a.numel():
-            from tiersave.state import as_bits
-
-            ab = as_bits(a.detach()).cpu().contiguous().reshape(-1).view(torch.uint8)
-            bb = as_bits(b.detach()).cpu().contiguous().reshape(-1).view(torch.uint8)
-            assert torch.equal(ab, bb), f"{where}: tensor bytes differ"
-        return
-    if isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray), f"{where}: {type(b)} is not an ndarray"
-        assert a.dtype.newbyteorder("<") == b.dtype.newbyteorder("<") and a.shape == b.shape, f"{where}"
-        assert (
-            np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes()
-            == np.ascontiguousarray(b).astype(b.dtype.newbyteorder("<")).tobytes()
-        ), f"{where}: array bytes differ"
-        return
-    if isinstance(a, np.generic):
-        assert type(a) is type(b) and a.tobytes() == b.tobytes(), f"{where}: {a!r} vs {b!r}"
-        return
-    if isinstance(a, dict):
-        assert isinstance(b, dict), f"{where}: {type(b)} is not a dict"
-        assert list(a.keys()) == list(b.keys()), f"{where}: keys {list(a)} vs {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-        return
-    if isinstance(a, (list, tuple)):
-        assert type(a) is type(b) or (isinstance(a, tuple) and type(b) is tuple), f"{where}: {type(a)} vs {type(b)}"
-        assert len(a) == len(b), f"{where}: length {len(a)} vs {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}.{i}")
-        return
-    if isinstance(a, float):
-        assert isinstance(b, float), f"{where}: {b!r} is not a float"
-        assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b)), (
-            f"{where}: {a!r} vs {b!r}"
-        )
-        return
-    assert type(a) is type(b) and a == b, f"{where}: {a!r} ({type(a).__name__}) vs {b!r} ({type(b).__name__})"

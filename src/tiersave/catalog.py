@@ -370,15 +370,22 @@ class Catalog:
     def delete(self, step: int) -> None:
         """Delete a committed checkpoint: un-commit it atomically first, then remove its data."""
         name = step_dirname(step)
-        with self._lock:
-            self._cache.pop(step, None)
         if self.storage.capabilities.atomic_rename:
             trash = trash_dirname(step, new_token())
             self.storage.rename_prefix(name, trash)
             self.storage.delete_prefix(trash)
         else:
+            # Only the attempt prefixes this manifest names: a concurrent re-save of the same step writes
+            # under its own attempt prefix, which must survive. Unnamed leftovers go by clean_leftovers.
+            try:
+                attempts = {s.file.split("/", 1)[0] for s in self.manifest(step).shards if "/" in s.file}
+            except (FormatError, CheckpointNotFoundError):
+                attempts = set()
             self.storage.delete(f"{name}/{MANIFEST_NAME}")  # the commit marker goes first
-            self.storage.delete_prefix(name)
+            for attempt in sorted(attempts):
+                self.storage.delete_prefix(f"{name}/{attempt}")
+        with self._lock:
+            self._cache.pop(step, None)
 
     def prune(
         self,

@@ -54,8 +54,8 @@ from .errors import (
     ConfigError,
     CorruptCheckpointError,
     FormatError,
-    ObjectNotFoundError,
     SaveError,
+    StorageError,
     TiersaveError,
     TiersaveWarning,
 )
@@ -838,7 +838,7 @@ class Checkpointer:
             for tier in holders[candidate]:
                 try:
                     result, nbytes, in_place = self._restore_one(tier, candidate, into, strict)
-                except (FormatError, CheckpointNotFoundError, ObjectNotFoundError) as exc:
+                except (FormatError, CheckpointNotFoundError, StorageError) as exc:  # this copy is unusable
                     last_error = exc
                     skipped.append((candidate, f"on {tier.name}: {exc}"))
                     fallback = "another tier" if tier is not holders[candidate][-1] else "an older checkpoint"

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 
 import tiersave
-from conftest import listing
+from helpers import listing
 from tiersave.cli import main
 
 

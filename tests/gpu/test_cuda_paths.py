@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tiersave
-from conftest import assert_same
+from helpers import assert_same
 
 pytestmark = [
     pytest.mark.gpu,

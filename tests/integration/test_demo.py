@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import listing
+from helpers import listing
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import sys
 import torch
 
 import tiersave
-from conftest import assert_same
+from helpers import assert_same
 
 SMALL = ["--dim", "32", "--layers", "1"]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tiersave
-from conftest import assert_same, listing
+from helpers import assert_same, listing
 from tiersave._crash import CRASHPOINTS
 
 

@@ -15,17 +15,9 @@ from typing import Any
 
 import pytest
 
+from helpers import S3_TEST_OPTIONS
 from tiersave.storage.s3 import S3Storage
 from tiersave.testing.seaweed import SeaweedServer
-
-# Tunables that make S3 tests exercise multipart uploads, split reads and back-pressure with small data.
-S3_TEST_OPTIONS = {
-    "part_size": "5MiB",
-    "write_buffer": "15MiB",
-    "read_part_size": "1MiB",
-    "retries": "2",
-    "timeout": "30s",
-}
 
 
 @pytest.fixture(scope="session")

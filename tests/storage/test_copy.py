@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tiersave
-from conftest import assert_same
+from helpers import assert_same
 from tiersave.catalog import Catalog
 from tiersave.commit import MarkerCommit
 from tiersave.engine.copy import copy_checkpoint, copy_checkpoints, same_checkpoint

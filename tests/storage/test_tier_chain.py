@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tiersave
-from conftest import S3_TEST_OPTIONS, assert_same
+from helpers import S3_TEST_OPTIONS, assert_same
 from tiersave.storage.local import LocalStorage
 from tiersave.storage.memory import MemoryStorage
 from tiersave.testing.faults import Fault, FaultyStorage
@@ -86,6 +86,17 @@ def test_corrupt_fast_copy_falls_back_to_the_next_tier(mem_uri, tmp_path):
         assert ckpt.last_restore.tier == "local" and "checksum mismatch" in ckpt.last_restore.skipped[0][1]
         with pytest.warns(tiersave.TiersaveWarning):
             assert_same(ckpt.restore(1), state_for(1))  # an explicit step also falls back across tiers
+
+
+def test_a_tier_failing_to_read_falls_back_to_the_next(mem_uri, tmp_path):
+    broken = FaultyStorage(MemoryStorage(mem_uri.removeprefix("mem://")))
+    with tiersave.Checkpointer(tiers=[Tier(broken, name="memory"), Tier(tmp_path / "local")]) as ckpt:
+        ckpt.save(1, state_for(1))
+        ckpt.wait()  # drained to local; from now on every read from memory fails
+        broken.faults = [Fault("read_into", broken.ops["read_into"] + 1, persistent=True)]
+        with pytest.warns(tiersave.TiersaveWarning, match="skipping the copy of step 1 on tier memory"):
+            assert_same(ckpt.restore(), state_for(1))
+        assert ckpt.last_restore.tier == "local"
 
 
 def test_process_crash_with_the_checkpoint_only_in_memory(mem_uri, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tiersave
-from conftest import assert_same, listing
+from helpers import assert_same, listing
 from tiersave.errors import StorageError
 from tiersave.events import read_events
 from tiersave.storage.local import LocalStorage

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tiersave
-from conftest import assert_same, listing
+from helpers import assert_same, listing
 from tiersave.errors import NoSpaceError, StorageError
 from tiersave.storage.local import LocalStorage
 from tiersave.testing.faults import Fault, FaultyStorage

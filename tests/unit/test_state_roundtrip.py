@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tiersave
-from conftest import assert_same, listing
+from helpers import assert_same, listing
 from tiersave.format.dtypes import DTYPES
 
 

@@ -12,8 +12,7 @@ import argparse
 import time
 from typing import Any
 
-from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, human_bytes, report_error, table
-from .prune_cmd import _positive
+from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, human_bytes, positive_int, report_error, table
 
 
 def _bytes(text: str) -> int:
@@ -44,7 +43,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="skip reading the copy back from DST (chunks are still checked while copying)",
     )
-    p.add_argument("--threads", type=_positive, help="parallel transfers (default TIERSAVE_IO_THREADS)")
+    p.add_argument("--threads", type=positive_int, help="parallel transfers (default TIERSAVE_IO_THREADS)")
     p.add_argument("--buffer", type=_bytes, help="memory for chunks in flight, e.g. 512MiB (default 256MiB)")
     add_json_flag(p)
     p.set_defaults(handler=_copy)

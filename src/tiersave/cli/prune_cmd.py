@@ -5,14 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._common import EXIT_OK, Output, add_json_flag
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
+from ._common import EXIT_OK, Output, add_json_flag, positive_int
 
 
 def register(sub: Any) -> None:
@@ -24,7 +17,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("root", help="a path, file://, mem://NAME or s3://bucket/prefix URI")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--keep-last", type=_positive, help="keep this many newest checkpoints (default: keep all)")
+    which.add_argument("--keep-last", type=positive_int, help="keep this many newest checkpoints (default: keep all)")
     which.add_argument(
         "--policy",
         metavar="SPEC",

@@ -1,0 +1,72 @@
+"""Helpers shared by the test modules (imported as ``from helpers import ...``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Tunables that make S3 tests exercise multipart uploads, split reads and back-pressure with small data.
+S3_TEST_OPTIONS = {
+    "part_size": "5MiB",
+    "write_buffer": "15MiB",
+    "read_part_size": "1MiB",
+    "retries": "2",
+    "timeout": "30s",
+}
+
+
+def listing(root: Path) -> list[str]:
+    """Names in a checkpoint root, without the save event log (tiersave-events.jsonl)."""
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith("tiersave-events"))
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Deep equality with exact tensor bytes, dtypes and shapes, and NaN == NaN."""
+    import torch
+
+    where = path or "<root>"
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{where}: {type(b)} is not a tensor"
+        assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape), (
+            f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        )
+        if a.numel():
+            from tiersave.state import as_bits
+
+            ab = as_bits(a.detach()).cpu().contiguous().reshape(-1).view(torch.uint8)
+            bb = as_bits(b.detach()).cpu().contiguous().reshape(-1).view(torch.uint8)
+            assert torch.equal(ab, bb), f"{where}: tensor bytes differ"
+        return
+    if isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray), f"{where}: {type(b)} is not an ndarray"
+        assert a.dtype.newbyteorder("<") == b.dtype.newbyteorder("<") and a.shape == b.shape, f"{where}"
+        assert (
+            np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes()
+            == np.ascontiguousarray(b).astype(b.dtype.newbyteorder("<")).tobytes()
+        ), f"{where}: array bytes differ"
+        return
+    if isinstance(a, np.generic):
+        assert type(a) is type(b) and a.tobytes() == b.tobytes(), f"{where}: {a!r} vs {b!r}"
+        return
+    if isinstance(a, dict):
+        assert isinstance(b, dict), f"{where}: {type(b)} is not a dict"
+        assert list(a.keys()) == list(b.keys()), f"{where}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+        return
+    if isinstance(a, (list, tuple)):
+        assert type(a) is type(b) or (isinstance(a, tuple) and type(b) is tuple), f"{where}: {type(a)} vs {type(b)}"
+        assert len(a) == len(b), f"{where}: length {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}.{i}")
+        return
+    if isinstance(a, float):
+        assert isinstance(b, float), f"{where}: {b!r} is not a float"
+        assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b)), (
+            f"{where}: {a!r} vs {b!r}"
+        )
+        return
+    assert type(a) is type(b) and a == b, f"{where}: {a!r} ({type(a).__name__}) vs {b!r} ({type(b).__name__})"
