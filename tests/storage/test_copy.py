@@ -53,21 +53,8 @@ def mem():
 
 
 def _restore(storage, step):
-    import tiersave.checkpointer as cp
-    from tiersave.commit import commit_for
-
-    # A Checkpointer that still builds RenameCommit itself cannot open an object store: give it
-    # commit_for for this restore (once it chooses its commit by capabilities, nothing is patched).
-    patch = hasattr(cp, "RenameCommit")
-    if patch:
-        original = cp.RenameCommit
-        cp.RenameCommit = commit_for  # type: ignore[assignment]
-    try:
-        with tiersave.Checkpointer(storage) as ckpt:
-            return ckpt.restore(step)
-    finally:
-        if patch:
-            cp.RenameCommit = original
+    with tiersave.Checkpointer(storage) as ckpt:  # commit protocol chosen by the storage's capabilities
+        return ckpt.restore(step)
 
 
 @pytest.mark.s3
