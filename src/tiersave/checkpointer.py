@@ -67,7 +67,7 @@ from .handle import SaveHandle
 from .policy import RetentionPolicy
 from .restore import Restore
 from .schedule import SaveCost, Schedule, parse_schedule
-from .stage import StagingArena
+from .stage import HostCopier, StagingArena
 from .state import flatten
 from .storage.base import Storage
 from .tiers import Protection, Tier, TierRuntime, check_chain, to_policy
@@ -198,6 +198,7 @@ class Checkpointer:
         self.on_busy: OnBusy = on_busy
         self.exit_timeout_s = float(exit_timeout_s)
         self._arena = StagingArena(staging_bytes)
+        self._copier = HostCopier()
         self._pool = DaemonThreadPool(threads, "tiersave-io")
         self._committer = DaemonThreadPool(1, "tiersave-commit")
         self.events = _event_log(self._tiers) if event_log else None
@@ -235,6 +236,7 @@ class Checkpointer:
         self._pool.shutdown(wait=finished)
         for tier in self._tiers:
             tier.shutdown(wait=finished)
+        self._copier.close()
         if finished:
             self._arena.release()
             self._raise_unobserved()
@@ -554,7 +556,9 @@ class Checkpointer:
                 max_shard_bytes=self.max_shard_bytes,
             )
             prefix = self._commit.begin(step)
-            job = StagedWrite(self.storage, prefix, plan, [t.source for t in flat.tensors], self._arena, self._pool)
+            job = StagedWrite(
+                self.storage, prefix, plan, [t.source for t in flat.tensors], self._arena, self._pool, self._copier
+            )
             job.stage()
         except BaseException as exc:
             if job is not None:

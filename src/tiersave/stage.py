@@ -16,6 +16,7 @@ the staging thread and the writer threads and is internally locked.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -163,6 +164,48 @@ class Ring:
             if self._error is None:
                 self._error = exc
             self._cond.notify_all()
+
+
+class HostCopier:
+    """Copies host memory with ``memmove`` on a small pool of daemon threads.
+
+    Staging copies of CPU tensors go through this instead of ``Tensor.copy_``: torch's copy runs on the
+    OpenMP pool, whose threads spin-wait between parallel regions and, on a machine with few cores, fight
+    the I/O threads that are writing earlier chunks at the same moment (measured here: staging 5-15x
+    slower than a bare copy). ``ctypes.memmove`` releases the GIL, so large copies split across threads
+    run in parallel, and nothing spins.
+
+    Thread safety: ``copy`` may be called from one thread at a time (the staging thread).
+    """
+
+    _PIECE = 16 << 20  # smaller copies run inline: handing them to a thread costs more than it saves
+
+    def __init__(self, threads: int | None = None) -> None:
+        from .engine.pool import DaemonThreadPool
+
+        count = threads if threads is not None else min(4, os.cpu_count() or 1)
+        self.threads = max(1, count)
+        self._pool = DaemonThreadPool(self.threads - 1, "tiersave-stage") if self.threads > 1 else None
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from address ``src`` to address ``dst`` (non-overlapping host memory)."""
+        pieces = min(self.threads, nbytes // self._PIECE) if self._pool is not None else 1
+        if pieces <= 1:
+            ctypes.memmove(dst, src, nbytes)
+            return
+        size = -(-nbytes // pieces)
+        size += (-size) % ALIGN
+        futures = [
+            self._pool.submit(ctypes.memmove, dst + off, src + off, min(size, nbytes - off))  # type: ignore[union-attr]
+            for off in range(size, nbytes, size)
+        ]
+        ctypes.memmove(dst, src, min(size, nbytes))  # the first piece on this thread
+        for fut in futures:
+            fut.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 def source_bytes(source: torch.Tensor | np.ndarray) -> torch.Tensor:

@@ -17,6 +17,7 @@ Call order (the Checkpointer's):
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ import torch
 from .._crash import crashpoint
 from ..format.checksum import crc32c_update
 from ..format.layout import ALIGN, align_up
-from ..stage import Ring, StagingArena, needs_pinned, source_bytes
+from ..stage import HostCopier, Ring, StagingArena, needs_pinned, source_bytes
 from ..storage.base import BlobWriter, Storage
 from .writer import ShardLayout, TensorSource, plan_layout
 
@@ -111,12 +112,14 @@ class StagedWrite:
         sources: Sequence[Any],
         arena: StagingArena,
         executor: Executor,
+        copier: HostCopier | None = None,
     ) -> None:
         self.storage = storage
         self.prefix = prefix
         self.plan = plan
         self.sources = list(sources)
         self.executor = executor
+        self.copier = copier
         self.pinned = needs_pinned(self.sources)
         # The ring must hold two units to overlap staging with writing, unless the whole save fits.
         min_bytes = min(2 * plan.chunk_bytes, plan.total_bytes)
@@ -150,9 +153,11 @@ class StagedWrite:
         if self.pinned:
             self._cuda_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             self._cuda_stream.wait_stream(torch.cuda.current_stream())
+        arena_ptr = arena.data_ptr()
         for t_index, units in units_by_tensor.items():
             src = source_bytes(self.sources[t_index])
             on_cuda = src.device.type == "cuda"
+            src_ptr = src.data_ptr()
             for u in units:
                 self.ring.wait_free(u.global_offset + u.padded)
                 segments = self.ring.segments(u.global_offset, u.padded)
@@ -160,14 +165,16 @@ class StagedWrite:
                 for pos, n in segments:
                     take = max(0, min(n, u.length - copied))
                     if take:
-                        piece = src[u.src_start + copied : u.src_start + copied + take]
+                        first = u.src_start + copied
                         if on_cuda:
                             with torch.cuda.stream(self._cuda_stream):
-                                arena[pos : pos + take].copy_(piece, non_blocking=True)
+                                arena[pos : pos + take].copy_(src[first : first + take], non_blocking=True)
+                        elif self.copier is not None:
+                            self.copier.copy(arena_ptr + pos, src_ptr + first, take)
                         else:
-                            arena[pos : pos + take].copy_(piece)
+                            arena[pos : pos + take].copy_(src[first : first + take])
                     if take < n:
-                        arena[pos + take : pos + n].zero_()  # the format's zero padding
+                        ctypes.memset(arena_ptr + pos + take, 0, n - take)  # the format's zero padding
                     copied += take
                 event = None
                 if on_cuda:
