@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.buffers import aligned_buffer
 from ..engine.directio import open_direct
+from ..engine.hybrid import ThreadBuffers, run_blocks
 
 __all__ = ["RawResult", "evict", "measure_raw"]
 
@@ -94,20 +93,6 @@ class RawResult:
         return max(self.read, key=lambda k: self.read[k]) if self.read else ""
 
 
-def _run(streams: int, nbytes: int, block: int, fn: Callable[[int, int], object]) -> float:
-    """Run ``fn(offset, length)`` over ``[0, nbytes)`` in blocks: one stream in order, or a pool."""
-    start = time.perf_counter()
-    offsets = [(off, min(block, nbytes - off)) for off in range(0, nbytes, block)]
-    if streams == 1:
-        for off, n in offsets:
-            fn(off, n)
-    else:
-        with ThreadPoolExecutor(streams) as pool:
-            for fut in [pool.submit(fn, off, n) for off, n in offsets]:
-                fut.result()
-    return time.perf_counter() - start
-
-
 def measure_raw(
     directory: Path,
     nbytes: int,
@@ -127,13 +112,7 @@ def measure_raw(
     src[:] = (os.urandom(1 << 20) * (block_bytes // (1 << 20) + 1))[:block_bytes]
     result = RawResult(nbytes=size)
     path = directory / f".tiersave-raw-{os.getpid()}.bin"
-    local = threading.local()
-
-    def buf() -> memoryview:
-        b: memoryview | None = getattr(local, "buf", None)
-        if b is None:
-            b = local.buf = aligned_buffer(block_bytes)
-        return b
+    bufs = ThreadBuffers(block_bytes)
 
     try:
         for n in streams:
@@ -148,7 +127,7 @@ def measure_raw(
                 return os.pwrite(f, src[:k], off)
 
             try:
-                t = _run(n, size, block_bytes, write)
+                t = run_blocks(n, size, block_bytes, write)
                 t0 = time.perf_counter()
                 os.fsync(wfd)
                 t += time.perf_counter() - t0
@@ -166,10 +145,10 @@ def measure_raw(
                 continue
 
             def read(off: int, k: int, f: int = fd2) -> int:
-                return os.preadv(f, [buf()[:k]], off)
+                return os.preadv(f, [bufs.get(k)], off)
 
             try:
-                t = _run(n, size, block_bytes, read)
+                t = run_blocks(n, size, block_bytes, read)
             finally:
                 os.close(fd2)
             result.read[f"{'direct' if direct else 'buffered'} x{n}"] = size / t / 1e9

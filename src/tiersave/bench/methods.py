@@ -21,7 +21,7 @@ import shutil
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,16 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _durable_file_save(save: Callable[[], object], path: Path) -> SaveTiming:
+    """Time ``save()`` (which writes ``path``) plus the ``fsync`` of the file and of its directory."""
+    start = time.perf_counter()
+    save()
+    _fsync_path(path)
+    _fsync_path(path.parent)
+    seconds = time.perf_counter() - start
+    return SaveTiming(seconds, seconds)
 
 
 class Method(ABC):
@@ -161,12 +171,7 @@ class TorchSaveMethod(Method):
 
     def save(self, index: int, state: State) -> SaveTiming:
         path = self._file(index)
-        start = time.perf_counter()
-        torch.save(state, path)
-        _fsync_path(path)
-        _fsync_path(self.root)
-        seconds = time.perf_counter() - start
-        return SaveTiming(seconds, seconds)
+        return _durable_file_save(lambda: torch.save(state, path), path)
 
     def load(self, index: int, variant: str, template: State) -> tuple[float, State]:
         start = time.perf_counter()
@@ -193,12 +198,7 @@ class SafetensorsMethod(Method):
 
     def save(self, index: int, state: State) -> SaveTiming:
         path = self._file(index)
-        start = time.perf_counter()
-        self._save_file(state, str(path))
-        _fsync_path(path)
-        _fsync_path(self.root)
-        seconds = time.perf_counter() - start
-        return SaveTiming(seconds, seconds)
+        return _durable_file_save(lambda: self._save_file(state, str(path)), path)
 
     def load(self, index: int, variant: str, template: State) -> tuple[float, State]:
         start = time.perf_counter()

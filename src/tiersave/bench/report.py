@@ -50,8 +50,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _most_common(labels: list[str]) -> str:
-    return max(set(labels), key=labels.count) if labels else ""
+def _distinct(labels: list[str]) -> str:
+    return " / ".join(dict.fromkeys(labels))
 
 
 def summarize(data: dict[str, Any]) -> dict[str, Any]:
@@ -65,8 +65,9 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         raw = {
             "write_gbps": _rate_from_rates(nbytes, best_w),
             "read_gbps": _rate_from_rates(nbytes, best_r),
-            "write_config": _most_common([max(r["write_gbps"], key=r["write_gbps"].get) for r in raws]),
-            "read_config": _most_common([max(r["read_gbps"], key=r["read_gbps"].get) for r in raws]),
+            # the configuration that was best in each round (the figure above takes each round's best)
+            "write_config": _distinct([max(r["write_gbps"], key=r["write_gbps"].get) for r in raws]),
+            "read_config": _distinct([max(r["read_gbps"], key=r["read_gbps"].get) for r in raws]),
             "configs": {
                 "write": {
                     k: _rate_from_rates(nbytes, [r["write_gbps"].get(k, 0.0) for r in raws])

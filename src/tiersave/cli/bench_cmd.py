@@ -188,8 +188,9 @@ def render_text(data: dict[str, Any]) -> str:
     raw = s["raw"]
     if raw:
         lines.append(
-            f"raw device, same bytes, 16 MiB blocks: write {_fmt(raw['write_gbps'])} GB/s ({raw['write_config']}), "
-            f"read {_fmt(raw['read_gbps'])} GB/s ({raw['read_config']}); all: "
+            f"raw device, same bytes, 16 MiB blocks, best configuration per round: write "
+            f"{_fmt(raw['write_gbps'])} GB/s ({raw['write_config']}), read {_fmt(raw['read_gbps'])} GB/s "
+            f"({raw['read_config']}); each configuration: "
             + ", ".join(f"{op} {k} {_fmt(v)}" for op in ("write", "read") for k, v in raw["configs"][op].items())
         )
     cal = data.get("calibration")

@@ -56,7 +56,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,6 +64,7 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 from ..format.layout import new_token
+from ..knobs import _int_env, _override  # one parser for every TIERSAVE_* integer
 from .buffers import address_of, aligned_buffer
 from .directio import DEFAULT_BLOCK_BYTES, open_direct
 
@@ -137,19 +138,6 @@ def io_mode_from_env() -> IOMode:
         raise ConfigError(f"{_IO}={raw!r} must be one of auto, direct, buffered") from None
 
 
-def _int_env(name: str, default: int, lo: int, hi: int) -> int:
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if not lo <= value <= hi:
-        raise ConfigError(f"{name}={value} is out of range [{lo}, {hi}]")
-    return value
-
-
 def direct_min_bytes() -> int:
     """Reads smaller than this go buffered under ``io="auto"`` (``TIERSAVE_DIRECT_MIN_BYTES``)."""
     return _int_env(_DIRECT_MIN, 1 << 20, 0, 1 << 40)
@@ -183,18 +171,9 @@ def calibration_bytes() -> int:
     return value
 
 
-@contextlib.contextmanager
-def override_env(name: str, value: object) -> Iterator[None]:
+def override_env(name: str, value: object) -> contextlib.AbstractContextManager[None]:
     """Set one ``TIERSAVE_*`` variable for the duration of a ``with`` block (tests, the benchmark)."""
-    old = os.environ.get(name)
-    os.environ[name] = str(value)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+    return _override(name, value)
 
 
 # -- statistics --------------------------------------------------------------------------------------
@@ -387,14 +366,33 @@ def _fadvise_dontneed(fd: int) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _run_parallel(threads: int, nbytes: int, block: int, fn: Any) -> float:
-    """Call ``fn(offset, length)`` for every block of ``[0, nbytes)`` on ``threads`` threads; seconds."""
-    offsets = range(0, nbytes, block)
+def run_blocks(streams: int, nbytes: int, block: int, fn: Callable[[int, int], object]) -> float:
+    """Call ``fn(offset, length)`` for every block of ``[0, nbytes)``: in order on this thread when
+    ``streams`` is 1, else on a pool of ``streams`` threads taking blocks in order. Returns seconds."""
+    offsets = [(off, min(block, nbytes - off)) for off in range(0, nbytes, block)]
     start = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        for fut in [pool.submit(fn, off, min(block, nbytes - off)) for off in offsets]:
-            fut.result()
+    if streams == 1:
+        for off, n in offsets:
+            fn(off, n)
+    else:
+        with ThreadPoolExecutor(streams) as pool:
+            for fut in [pool.submit(fn, off, n) for off, n in offsets]:
+                fut.result()
     return time.perf_counter() - start
+
+
+class ThreadBuffers:
+    """One page-aligned buffer of ``nbytes`` per thread, allocated on first use (read targets)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._local = threading.local()
+
+    def get(self, n: int) -> memoryview:
+        buf: memoryview | None = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = aligned_buffer(self.nbytes)
+        return buf[:n]
 
 
 def calibrate(
@@ -423,13 +421,22 @@ def calibrate(
     src = aligned_buffer(block_bytes)
     src[:] = (os.urandom(1 << 16) * (block_bytes // (1 << 16) + 1))[:block_bytes]  # incompressible
     best = {"dw": 0.0, "bw": 0.0, "dr": 0.0, "br": 0.0}
-    local = threading.local()
+    bufs = ThreadBuffers(block_bytes)
 
-    def rbuf() -> memoryview:
-        buf: memoryview | None = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = aligned_buffer(block_bytes)
-        return buf
+    def write_gbps(fd: int) -> float:
+        def one(off: int, n: int) -> int:
+            return os.pwrite(fd, src[:n], off)
+
+        t = run_blocks(threads, size, block_bytes, one)
+        t0 = time.perf_counter()
+        os.fsync(fd)
+        return size / (t + time.perf_counter() - t0) / 1e9
+
+    def read_gbps(fd: int) -> float:
+        def one(off: int, n: int) -> int:
+            return os.preadv(fd, [bufs.get(n)], off)
+
+        return size / run_blocks(threads, size, block_bytes, one) / 1e9
 
     for _ in range(max(1, rounds)):
         dpath = os.path.join(base, f".tiersave-calibrate-{new_token()}.direct")
@@ -442,31 +449,21 @@ def calibrate(
             if dfd is None:
                 return None
             fds.append(dfd)
-            t = _run_parallel(threads, size, block_bytes, lambda off, n, f=dfd: os.pwrite(f, src[:n], off))
-            t0 = time.perf_counter()
-            os.fsync(dfd)
-            best["dw"] = max(best["dw"], size / (t + time.perf_counter() - t0) / 1e9)
-
+            best["dw"] = max(best["dw"], write_gbps(dfd))
             bfd = os.open(bpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             fds.append(bfd)
-            t = _run_parallel(threads, size, block_bytes, lambda off, n, f=bfd: os.pwrite(f, src[:n], off))
-            t0 = time.perf_counter()
-            os.fsync(bfd)
-            best["bw"] = max(best["bw"], size / (t + time.perf_counter() - t0) / 1e9)
+            best["bw"] = max(best["bw"], write_gbps(bfd))
             _fadvise_dontneed(bfd)
             _fadvise_dontneed(fd)
-
             rdfd = open_direct(dpath, os.O_RDONLY)
             if rdfd is None:
                 return None
             fds.append(rdfd)
-            t = _run_parallel(threads, size, block_bytes, lambda off, n, f=rdfd: os.preadv(f, [rbuf()[:n]], off))
-            best["dr"] = max(best["dr"], size / t / 1e9)
+            best["dr"] = max(best["dr"], read_gbps(rdfd))
             rbfd = os.open(bpath, os.O_RDONLY)
             fds.append(rbfd)
             _fadvise_dontneed(rbfd)
-            t = _run_parallel(threads, size, block_bytes, lambda off, n, f=rbfd: os.preadv(f, [rbuf()[:n]], off))
-            best["br"] = max(best["br"], size / t / 1e9)
+            best["br"] = max(best["br"], read_gbps(rbfd))
         finally:
             for f in fds:
                 os.close(f)
