@@ -2,7 +2,8 @@
 
 Each rank takes every ``ranks``-th tensor of the state, so the shares are about equal, and saves under
 its own root (as ranks of a data-parallel job write their own shards). The ranks start each phase
-together (a barrier), the page cache is evicted between phases, and every rank reports its own duration.
+together (a barrier), the page cache is evicted between phases, and every rank reports its own duration;
+the config's warm-up rounds run first and are not reported.
 As MLPerf Storage does, the job's figure is set by the slowest rank: aggregate throughput is all bytes
 over the slowest rank's duration, and the lowest per-rank throughput is reported next to it.
 """
@@ -28,6 +29,7 @@ def _rank_main(
     size_bytes: int,
     io_threads: int | None,
     rounds: int,
+    warmup: int,
     drop_caches: bool,
     calibration: Any,
     seed: int,
@@ -50,7 +52,7 @@ def _rank_main(
         root = Path(directory) / f"rank-{rank:05d}"
         storage = LocalStorage(root, io="auto", calibration=calibration)
         with Checkpointer(storage, io_threads=io_threads) as ckpt:
-            for rnd in range(rounds):
+            for rnd in range(warmup + rounds):
                 barrier.wait(_TIMEOUT_S)
                 if rank == 0:
                     evict([Path(directory)], drop_caches=drop_caches)
@@ -65,7 +67,8 @@ def _rank_main(
                 start = time.perf_counter()
                 ckpt.restore(rnd + 1, into=share)
                 load_s = time.perf_counter() - start
-                queue.put(("ok", rank, rnd, nbytes, save_s, load_s))
+                if rnd >= warmup:  # the first saves allocate the staging arena: not the steady state
+                    queue.put(("ok", rank, rnd - warmup, nbytes, save_s, load_s))
                 ckpt.prune(1)
     except BaseException as exc:
         queue.put(("error", rank, f"{type(exc).__name__}: {exc}"))
@@ -97,6 +100,7 @@ def run_ranks(config: BenchConfig, calibration: Any) -> dict[str, Any]:
                 config.size_bytes,
                 config.io_threads,
                 config.checkpoints,
+                config.warmup,
                 config.drop_caches,
                 calibration,
                 config.seed,
