@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from ..errors import ConfigError
 from ..sizing import parse_bytes
-from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, table
+from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, positive_int, table
 
 _EPILOG = """\
 examples:
@@ -49,16 +49,6 @@ def _list(choices: tuple[str, ...], what: str) -> Any:
     return parse
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
 def register(subparsers: Any) -> None:
     """Add the ``bench`` subcommand to the ``tiersave`` parser."""
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -77,7 +67,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default="llama3-8b", metavar="PRESET", help="shape preset (default llama3-8b)")
     p.add_argument("--size", default="3GB", metavar="BYTES", help="state size: weights + Adam moments (default 3GB)")
     p.add_argument(
-        "--checkpoints", type=_positive, default=2, metavar="N", help="timed checkpoints per method (default 2)"
+        "--checkpoints", type=positive_int, default=2, metavar="N", help="timed checkpoints per method (default 2)"
     )
     p.add_argument(
         "--warmup", type=int, default=1, metavar="N", help="untimed rounds before the timed ones (default 1)"
@@ -96,8 +86,10 @@ def register(subparsers: Any) -> None:
         metavar="PEERS",
         help="peers, comma-separated, or none (default torch,safetensors,dcp,dcp-async)",
     )
-    p.add_argument("--threads", type=_positive, metavar="N", help="tiersave I/O threads (default TIERSAVE_IO_THREADS)")
-    p.add_argument("--ranks", type=_positive, default=1, metavar="N", help="also run tiersave in N processes")
+    p.add_argument(
+        "--threads", type=positive_int, metavar="N", help="tiersave I/O threads (default TIERSAVE_IO_THREADS)"
+    )
+    p.add_argument("--ranks", type=positive_int, default=1, metavar="N", help="also run tiersave in N processes")
     p.add_argument("--no-raw", action="store_true", help="skip the raw device measurement")
     p.add_argument("--no-drop-caches", action="store_true", help="evict with fadvise only, never drop_caches")
     p.add_argument("--recalibrate", action="store_true", help="measure the auto policy's calibration again")
