@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -239,6 +241,17 @@ def test_calibrate_measures_both_paths_and_cleans_up(tmp_path: Path) -> None:
         assert 0 < rate < 1000
     assert c.memcpy_gbps > 0 and c.nbytes == 8 * MiB and c.key.endswith(":ext4")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tiersave-calibrate")] == []
+
+
+def test_calibrate_removes_probes_of_dead_calibrations(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f".tiersave-calibrate-{int(dead.stdout)}-abc.direct"
+    alive = tmp_path / f".tiersave-calibrate-{os.getppid()}-abc.direct"
+    orphan.write_bytes(b"x")
+    alive.write_bytes(b"x")
+    with refuse_direct_io():
+        assert calibrate(tmp_path, nbytes=MiB, block_bytes=MiB, rounds=1) is None
+    assert not orphan.exists() and alive.exists()
 
 
 def test_calibrate_returns_none_where_o_direct_is_refused(tmp_path: Path) -> None:

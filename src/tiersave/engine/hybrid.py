@@ -395,6 +395,30 @@ class ThreadBuffers:
         return buf[:n]
 
 
+_PROBE_PREFIX = ".tiersave-calibrate-"
+
+
+def _remove_orphan_probes(directory: str) -> None:
+    """Delete probe files of calibrations whose process died midway (the pid is in the name)."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(_PROBE_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid_text = name[len(_PROBE_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # alive (or not ours to signal): leave it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, name))
+
+
 def calibrate(
     directory: str | os.PathLike[str],
     *,
@@ -409,7 +433,8 @@ def calibrate(
     Each round writes ``nbytes`` with each path from ``threads`` threads in ``block_bytes`` requests, then
     evicts the buffered file from the page cache and reads both back; the best round of each figure is
     kept (the disk is shared with other work, and a slow outlier says nothing about the path). The
-    probe files are removed afterwards.
+    probe files are removed afterwards, and those left by a calibration whose process died are removed
+    first.
 
     Raises:
         OSError: the directory cannot be written.
@@ -417,6 +442,7 @@ def calibrate(
     size = nbytes if nbytes is not None else calibration_bytes()
     size = max(block_bytes, size - size % block_bytes)
     base = os.fspath(directory)
+    _remove_orphan_probes(base)
     key = fs_key(base, fstype)
     src = aligned_buffer(block_bytes)
     src[:] = (os.urandom(1 << 16) * (block_bytes // (1 << 16) + 1))[:block_bytes]  # incompressible
@@ -439,8 +465,8 @@ def calibrate(
         return size / run_blocks(threads, size, block_bytes, one) / 1e9
 
     for _ in range(max(1, rounds)):
-        dpath = os.path.join(base, f".tiersave-calibrate-{new_token()}.direct")
-        bpath = os.path.join(base, f".tiersave-calibrate-{new_token()}.buffered")
+        dpath = os.path.join(base, f"{_PROBE_PREFIX}{os.getpid()}-{new_token()}.direct")
+        bpath = os.path.join(base, f"{_PROBE_PREFIX}{os.getpid()}-{new_token()}.buffered")
         fds: list[int] = []
         try:
             fd = os.open(dpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
