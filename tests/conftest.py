@@ -15,8 +15,6 @@ import pytest
 # would depend on which directory's conftest was imported last.
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import assert_same, listing  # noqa: F401  (for modules still doing `from conftest import`)
-
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:

@@ -67,7 +67,7 @@ from .handle import SaveHandle
 from .policy import RetentionPolicy
 from .restore import Restore
 from .schedule import SaveCost, Schedule, parse_schedule
-from .stage import HostCopier, StagingArena
+from .stage import HostCopier, StagingArena, needs_pinned
 from .state import flatten
 from .storage.base import Storage
 from .tiers import Protection, Tier, TierRuntime, check_chain, to_policy
@@ -420,6 +420,24 @@ class Checkpointer:
                 runtime.catalog.clean_leftovers()
         return sorted(set(deleted))
 
+    def prepare(self, state: Any) -> None:
+        """Do now, before training starts, the one-time work the first save would otherwise pay: allocate
+        (and fault in) the staging memory for ``state``, and calibrate the I/O policy of local tiers.
+
+        Optional: without it the first save is slower than the rest (about 1.5 s per GB of state here).
+        """
+        self._check_open()
+        flat = flatten(state)
+        padded = sum(align_up(t.nbytes) for t in flat.tensors)
+        chunk = self._chunk_for(padded)
+        self._arena.reserve(
+            padded, pinned=needs_pinned([t.source for t in flat.tensors]), min_bytes=min(2 * chunk, padded)
+        )
+        for tier in self._tiers:
+            policy = getattr(tier.storage, "io_policy", None)
+            if policy is not None:
+                policy.ensure_calibrated()
+
     # -- scheduling -------------------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
@@ -556,6 +574,7 @@ class Checkpointer:
                 max_shard_bytes=self.max_shard_bytes,
             )
             prefix = self._commit.begin(step)
+            io_before = _io_bytes(self.storage)
             job = StagedWrite(
                 self.storage, prefix, plan, [t.source for t in flat.tensors], self._arena, self._pool, self._copier
             )
@@ -579,6 +598,7 @@ class Checkpointer:
         stats.stored_bytes = plan.total_bytes
         stats.num_tensors = len(flat.tensors)
         stats.blocked_s = time.perf_counter() - started
+        stats.extra["io_before"] = io_before
         return _Pending(
             handle,
             job,
@@ -611,6 +631,10 @@ class Checkpointer:
             handle._set_staged()
             checksums = p.job.finish()
             stats.write_s = time.perf_counter() - p.started - stats.flatten_s
+            before = stats.extra.pop("io_before", None)
+            after = _io_bytes(self.storage)
+            if before is not None and after is not None:  # bytes per I/O path (direct, buffered...)
+                stats.extra["io"] = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
             plan = p.job.plan
             tensors = {}
             for i, name in enumerate(p.names):
@@ -878,6 +902,12 @@ class Checkpointer:
                 return Restore(ckpt, into, strict).run(self._pool)
         finally:
             self._protection.release(tier.index, step)
+
+
+def _io_bytes(storage: Storage) -> dict[str, int] | None:
+    """Bytes the storage moved per I/O path so far (storages with I/O statistics only)."""
+    io_stats = getattr(storage, "io_stats", None)
+    return io_stats.bytes_by_path() if io_stats is not None else None
 
 
 def _background_warning(message: str) -> None:

@@ -18,7 +18,8 @@ _IO_THREADS = "TIERSAVE_IO_THREADS"
 _CHUNK_BYTES = "TIERSAVE_CHUNK_BYTES"
 
 
-def _int_env(name: str, default: int, lo: int, hi: int) -> int:
+def int_env(name: str, default: int, lo: int, hi: int) -> int:
+    """The integer in environment variable ``name`` (``default`` when unset), checked to be in [lo, hi]."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -33,19 +34,20 @@ def _int_env(name: str, default: int, lo: int, hi: int) -> int:
 
 def io_threads() -> int:
     """Threads that read and write shard chunks in parallel (``TIERSAVE_IO_THREADS``)."""
-    return _int_env(_IO_THREADS, min(8, max(2, 2 * (os.cpu_count() or 1))), 1, 256)
+    return int_env(_IO_THREADS, min(8, max(2, 2 * (os.cpu_count() or 1))), 1, 256)
 
 
 def chunk_bytes() -> int:
     """Checksum and I/O chunk size in bytes (``TIERSAVE_CHUNK_BYTES``), a multiple of 4096, <= 64 MiB."""
-    value = _int_env(_CHUNK_BYTES, 64 << 20, 4096, 64 << 20)
+    value = int_env(_CHUNK_BYTES, 64 << 20, 4096, 64 << 20)
     if value % 4096:
         raise ConfigError(f"{_CHUNK_BYTES}={value} is not a multiple of 4096")
     return value
 
 
 @contextlib.contextmanager
-def _override(name: str, value: object) -> Iterator[None]:
+def override_env(name: str, value: object) -> Iterator[None]:
+    """Set environment variable ``name`` for the duration of a ``with`` block (tests)."""
     old = os.environ.get(name)
     os.environ[name] = str(value)
     try:
@@ -58,8 +60,8 @@ def _override(name: str, value: object) -> Iterator[None]:
 
 
 def override_io_threads(value: int) -> contextlib.AbstractContextManager[None]:
-    return _override(_IO_THREADS, value)
+    return override_env(_IO_THREADS, value)
 
 
 def override_chunk_bytes(value: int) -> contextlib.AbstractContextManager[None]:
-    return _override(_CHUNK_BYTES, value)
+    return override_env(_CHUNK_BYTES, value)

@@ -18,6 +18,7 @@ import torch
 from .catalog import OpenCheckpoint
 from .engine.reader import ReadRequest
 from .errors import StateMismatchError
+from .format.layout import ALIGN
 from .state import (
     apply_into,
     as_bits,
@@ -68,7 +69,7 @@ class Restore:
                     break
             if dest is None:
                 pin = any(isinstance(t.value, torch.Tensor) and t.value.device.type == "cuda" for t in candidates)
-                dest = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype), pin_memory=pin)
+                dest = new_tensor(entry.shape, torch_dtype(entry.dtype), entry.nbytes, pin=pin)
             dests[name] = dest
             view = ndarray_byte_view(dest) if isinstance(dest, np.ndarray) else tensor_byte_view(dest)
             requests.append(ReadRequest(entry, view))
@@ -88,6 +89,19 @@ class Restore:
             torch.cuda.synchronize()
         result = fill_tree(saved, values) if self.into is None else apply_into(saved, self.into, values)
         return result, manifest.total_bytes, in_place
+
+
+_ALIGNED_MIN = 1 << 20
+
+
+def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, *, pin: bool = False) -> torch.Tensor:
+    """An uninitialized tensor to restore into; page-aligned when large, so direct I/O reads land in it
+    with no bounce copy (torch's own allocations start a few bytes past a page boundary)."""
+    if nbytes < _ALIGNED_MIN:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    start = (-raw.data_ptr()) % ALIGN
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 def _span(value: torch.Tensor | np.ndarray) -> tuple[int, int]:

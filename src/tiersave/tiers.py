@@ -60,6 +60,8 @@ class Tier:
         keep: retention on this tier: an int (keep the last N), a spec such as
             ``"last=3,every=1000,best=2:loss:min,tag=milestone"``, or a policy from ``tiersave.policy``.
             Default: the Checkpointer's ``keep_last``, or keep 2 on a non-durable (memory) tier.
+        io: for a local path, ``"auto"``, ``"direct"`` or ``"buffered"`` I/O (None: ``TIERSAVE_IO``, else
+            auto, which calibrates once per file system).
     """
 
     uri: str | os.PathLike[str] | Storage
@@ -67,6 +69,7 @@ class Tier:
     every: int = 1
     every_s: float | None = None
     keep: RetentionPolicy | int | str | None = None
+    io: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -107,7 +110,7 @@ class TierRuntime:
     def __init__(self, spec: Tier, index: int, *, default_keep: int | None, io_threads: int) -> None:
         self.spec = spec
         self.index = index
-        self.storage: Storage = open_storage(spec.uri)
+        self.storage: Storage = open_storage(spec.uri, io=spec.io)
         self.name = spec.name or default_name(spec.uri, self.storage)
         self.catalog = Catalog(self.storage)
         self.commit: CommitStrategy = commit_for(self.storage)

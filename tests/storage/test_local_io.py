@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_same
+from helpers import assert_same
 from tiersave import Checkpointer
 from tiersave.engine.buffers import aligned_buffer
 from tiersave.engine.directio import refuse_direct_io

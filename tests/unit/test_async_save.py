@@ -311,3 +311,22 @@ def test_stats_cli_table_json_and_plot(root, tmp_path, capsys):
     assert "blocked mean" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["stats", str(tmp_path / "missing")]) == 1
+
+
+def test_prepare_allocates_staging_before_the_first_save(root):
+    state = big_state(3, mib=2)
+    with tiersave.Checkpointer(root) as ckpt:
+        assert ckpt._arena.capacity == 0
+        ckpt.prepare(state)
+        assert ckpt._arena.capacity >= handle_bytes(state) and ckpt._arena.allocations == 1
+        handle = ckpt.save(1, state)
+        assert ckpt._arena.allocations == 1  # the save reused it
+        assert handle.stats.extra["io"]  # bytes per I/O path of the local tier, recorded per save
+        assert sum(handle.stats.extra["io"].values()) >= handle.stats.stored_bytes
+
+
+def handle_bytes(state) -> int:
+    from tiersave.format.layout import align_up
+    from tiersave.state import flatten
+
+    return sum(align_up(t.nbytes) for t in flatten(state).tensors)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tiersave import knobs
 from tiersave.engine import hybrid
 from tiersave.engine.directio import refuse_direct_io
 from tiersave.engine.hybrid import (
@@ -90,7 +91,7 @@ def test_env_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_override_env_restores_the_previous_value(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIERSAVE_IO", "direct")
-    with hybrid.override_env("TIERSAVE_IO", "buffered"):
+    with knobs.override_env("TIERSAVE_IO", "buffered"):
         assert io_mode_from_env() is IOMode.BUFFERED
     assert os.environ["TIERSAVE_IO"] == "direct"
 

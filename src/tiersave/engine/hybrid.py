@@ -64,7 +64,7 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 from ..format.layout import new_token
-from ..knobs import _int_env, _override  # one parser for every TIERSAVE_* integer
+from ..knobs import int_env  # one parser for every TIERSAVE_* integer
 from .buffers import address_of, aligned_buffer
 from .directio import DEFAULT_BLOCK_BYTES, open_direct
 
@@ -140,12 +140,12 @@ def io_mode_from_env() -> IOMode:
 
 def direct_min_bytes() -> int:
     """Reads smaller than this go buffered under ``io="auto"`` (``TIERSAVE_DIRECT_MIN_BYTES``)."""
-    return _int_env(_DIRECT_MIN, 1 << 20, 0, 1 << 40)
+    return int_env(_DIRECT_MIN, 1 << 20, 0, 1 << 40)
 
 
 def bounce_bytes() -> int:
     """Size of one bounce buffer (``TIERSAVE_BOUNCE_BYTES``), a multiple of 4096."""
-    value = _int_env(_BOUNCE, DEFAULT_BLOCK_BYTES, 4096, 1 << 30)
+    value = int_env(_BOUNCE, DEFAULT_BLOCK_BYTES, 4096, 1 << 30)
     if value % 4096:
         raise ConfigError(f"{_BOUNCE}={value} is not a multiple of 4096")
     return value
@@ -165,15 +165,10 @@ def calibration_setting() -> Literal["on", "off", "refresh"]:
 
 def calibration_bytes() -> int:
     """Bytes each path moves during a calibration (``TIERSAVE_IO_CALIBRATION_BYTES``, default 128 MiB)."""
-    value = _int_env(_CALIBRATION_BYTES, 128 << 20, 1 << 20, 1 << 34)
+    value = int_env(_CALIBRATION_BYTES, 128 << 20, 1 << 20, 1 << 34)
     if value % (1 << 20):
         raise ConfigError(f"{_CALIBRATION_BYTES}={value} is not a multiple of 1 MiB")
     return value
-
-
-def override_env(name: str, value: object) -> contextlib.AbstractContextManager[None]:
-    """Set one ``TIERSAVE_*`` variable for the duration of a ``with`` block (tests, the benchmark)."""
-    return _override(name, value)
 
 
 # -- statistics --------------------------------------------------------------------------------------
@@ -638,6 +633,12 @@ class IOPolicy:
             self.refused = why
         level = logging.WARNING if self.mode is IOMode.DIRECT else logging.INFO
         log.log(level, "O_DIRECT refused on %s (%s, %s): using buffered I/O", self.root, self.fstype, why)
+
+    def ensure_calibrated(self) -> None:
+        """Look up (or measure, per ``TIERSAVE_IO_CALIBRATE``) the calibration now rather than inside the
+        first large request (``Checkpointer.prepare`` calls this before training starts)."""
+        if self.mode is IOMode.AUTO and self.wants_direct():
+            self._get_calibration()
 
     def _get_calibration(self) -> Calibration | None:
         if self._looked_up:

@@ -29,13 +29,14 @@ __all__ = [
 ]
 
 
-def open_storage(uri: str | os.PathLike[str] | Storage, *, create: bool = True) -> Storage:
+def open_storage(uri: str | os.PathLike[str] | Storage, *, create: bool = True, io: str | None = None) -> Storage:
     """Return the storage a URI names (a ``Storage`` instance is returned unchanged).
 
     Args:
         uri: a path, ``file:///path``, ``mem://NAME``, ``s3://bucket/prefix?options``, or a ``Storage``.
         create: create a missing local root or memory namespace (False: raise ``ObjectNotFoundError``).
             An S3 bucket is never created here.
+        io: for a local path: ``"auto"``, ``"direct"`` or ``"buffered"`` (None: ``TIERSAVE_IO``, else auto).
 
     Raises:
         ConfigError: an unknown scheme or a malformed URI.
@@ -55,7 +56,7 @@ def open_storage(uri: str | os.PathLike[str] | Storage, *, create: bool = True) 
         path = unquote(parsed.path) if scheme == "file" else text
         if scheme == "file" and parsed.netloc not in ("", "localhost"):
             raise ConfigError(f"file URI with a remote host is not supported: {text!r}")
-        return LocalStorage(path, create=create)
+        return LocalStorage(path, create=create, io=io)
     if scheme == "mem":
         from .memory import MemoryStorage
 

@@ -62,7 +62,8 @@ class MemoryStorage(LocalStorage):
                 base.mkdir(parents=True, exist_ok=True, mode=0o700)
             except OSError as exc:
                 raise storage_error_from_os(exc, tier=f"mem://{name}", key="", action="creating") from None
-        super().__init__(base.joinpath(*name.split("/")), create=create)
+        # tmpfs: direct I/O buys nothing (there is no device), whatever TIERSAVE_IO says
+        super().__init__(base.joinpath(*name.split("/")), create=create, io="buffered")
         self.uri = f"mem://{name}"
 
     def __repr__(self) -> str:
