@@ -203,9 +203,39 @@ class HostCopier:
         for fut in futures:
             fut.result()
 
+    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+        """Run many ``(dst, src, nbytes)`` copies, balanced by bytes over the threads (a large copy may be
+        split between two threads)."""
+        total = sum(n for _, _, n in copies)
+        if self._pool is None or total < 2 * self._PIECE:
+            for dst, src, n in copies:
+                ctypes.memmove(dst, src, n)
+            return
+        share = -(-total // self.threads)
+        groups: list[list[tuple[int, int, int]]] = [[]]
+        room = share
+        for dst, src, n in copies:
+            while n:
+                take = min(n, room)
+                groups[-1].append((dst, src, take))
+                dst, src, n, room = dst + take, src + take, n - take, room - take
+                if room == 0:
+                    groups.append([])
+                    room = share
+        groups = [g for g in groups if g]
+        futures = [self._pool.submit(_memmove_all, g) for g in groups[1:]]
+        _memmove_all(groups[0])
+        for fut in futures:
+            fut.result()
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
+    for dst, src, n in copies:
+        ctypes.memmove(dst, src, n)
 
 
 def source_bytes(source: torch.Tensor | np.ndarray) -> torch.Tensor:

@@ -330,3 +330,28 @@ def handle_bytes(state) -> int:
     from tiersave.state import flatten
 
     return sum(align_up(t.nbytes) for t in flatten(state).tensors)
+
+
+def test_host_copier_splits_and_balances_copies_exactly():
+    import random as _random
+
+    from tiersave.stage import HostCopier
+
+    rng = _random.Random(5)
+    sizes = [rng.choice([1, 4095, 4096, 70_001, 3 << 20, 17 << 20]) for _ in range(40)]
+    src = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    copier = HostCopier(threads=3)
+    try:
+        copies, off = [], 0
+        for n in sizes:
+            copies.append((dst.data_ptr() + off, src.data_ptr() + off, n))
+            off += n
+        rng.shuffle(copies)
+        copier.copy_many(copies)
+        assert torch.equal(dst, src)
+        dst.zero_()
+        copier.copy(dst.data_ptr(), src.data_ptr(), src.numel())  # one copy split over the threads
+        assert torch.equal(dst, src)
+    finally:
+        copier.close()

@@ -144,11 +144,22 @@ class StagedWrite:
     # -- caller thread --------------------------------------------------------------------------
 
     def stage(self) -> None:
-        """Copy every unit into the ring, submitting each unit's write as soon as it is staged."""
+        """Copy every unit into the arena and submit its write.
+
+        When the whole save fits in the arena (the usual case: the budget defaults to one copy of the
+        state) and the state is in host memory, everything is copied first in one parallel bulk copy and
+        the writes are submitted after it: the caller waits for exactly one copy of its state, without
+        the writers competing for the same cores. Otherwise (CUDA tensors, or a state streaming through a
+        smaller budget) each unit's write is submitted the moment it is staged.
+        """
         start = time.perf_counter()
         units_by_tensor: dict[int, list[Unit]] = {}
         for u in self.plan.units:
             units_by_tensor.setdefault(u.tensor, []).append(u)
+        if not self.pinned and self.copier is not None and self.plan.total_bytes <= self.ring.capacity:
+            self._stage_bulk(units_by_tensor)
+            self.stage_s = time.perf_counter() - start
+            return
         arena = self.arena_tensor
         if self.pinned:
             self._cuda_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -186,6 +197,28 @@ class StagedWrite:
             # Later kernels on the caller's stream must not change tensors before the copies read them.
             torch.cuda.current_stream().wait_event(self._last_event)
         self.stage_s = time.perf_counter() - start
+
+    def _stage_bulk(self, units_by_tensor: dict[int, list[Unit]]) -> None:
+        """Host state that fits the arena: one parallel copy of everything, then every write."""
+        copier = self.copier
+        if copier is None:  # stage() chooses this path only with a copier
+            raise ValueError("bulk staging needs a HostCopier")
+        arena_ptr = self.arena_tensor.data_ptr()
+        copies: list[tuple[int, int, int]] = []
+        keep_alive = []  # contiguous copies made by source_bytes must outlive the memmoves
+        for t_index, units in units_by_tensor.items():
+            src = source_bytes(self.sources[t_index])
+            keep_alive.append(src)
+            src_ptr = src.data_ptr()
+            copies.extend((arena_ptr + u.global_offset, src_ptr + u.src_start, u.length) for u in units)
+        copier.copy_many(copies)
+        for u in self.plan.units:
+            if u.padded > u.length:
+                ctypes.memset(arena_ptr + u.global_offset + u.length, 0, u.padded - u.length)
+        del keep_alive
+        for u in self.plan.units:
+            segments = [(u.global_offset, u.padded)]
+            self.futures.append(self.executor.submit(self._write_unit, u, segments, None))
 
     def wait_staged(self) -> None:
         """Block until the staged bytes are in host memory (device copies complete)."""
