@@ -533,7 +533,7 @@ class Checkpointer:
         with self._lock:
             self._last = handle
             self._inflight = handle
-        pending = self._stage(handle, step, state, metrics_d, tags_t, metadata_d, started, started_wall)
+        pending = self._stage(handle, step, state, metrics_d, tags_t, metadata_d, started, started_wall, blocking)
         self._committer.submit(self._complete, pending)
         if self._schedule is not None:
             self._schedule.record(
@@ -556,6 +556,7 @@ class Checkpointer:
         metadata: dict[str, Any],
         started: float,
         started_wall: float,
+        blocking: bool = False,
     ) -> _Pending:
         """Caller's thread: flatten, lay out, stage. On failure nothing is visible and the error is raised."""
         stats = handle.stats
@@ -578,7 +579,7 @@ class Checkpointer:
             job = StagedWrite(
                 self.storage, prefix, plan, [t.source for t in flat.tensors], self._arena, self._pool, self._copier
             )
-            job.stage()
+            job.stage(overlap=blocking)  # async: shortest stall; blocking: shortest time to durable
         except BaseException as exc:
             if job is not None:
                 job.abort()

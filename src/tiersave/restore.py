@@ -9,6 +9,7 @@ Nothing in the live state changes through ``load_state_dict`` or dict updates un
 
 from __future__ import annotations
 
+import bisect
 from concurrent.futures import Executor
 from typing import Any
 
@@ -47,7 +48,7 @@ class Restore:
         targets = match_targets(saved, self.into, strict=self.strict) if self.into is not None else {}
         requests: list[ReadRequest] = []
         dests: dict[str, torch.Tensor | np.ndarray] = {}
-        claimed: list[tuple[int, int]] = []
+        claimed = _Intervals()
         in_place = 0
         for name, entry in manifest.tensors.items():
             candidates = targets.get(name, [])
@@ -61,9 +62,9 @@ class Restore:
             for t in candidates:
                 if fits(t.value, entry.dtype, entry.shape) and readable_in_place(t.value):
                     span = _span(t.value)
-                    if span[1] > span[0] and any(a < span[1] and span[0] < b for a, b in claimed):
+                    if span[1] > span[0] and claimed.overlaps(*span):
                         continue  # memory already filled by another stored tensor (tied in the live model)
-                    claimed.append(span)
+                    claimed.add(*span)
                     dest = t.value
                     in_place += 1
                     break
@@ -89,6 +90,25 @@ class Restore:
             torch.cuda.synchronize()
         result = fill_tree(saved, values) if self.into is None else apply_into(saved, self.into, values)
         return result, manifest.total_bytes, in_place
+
+
+class _Intervals:
+    """Disjoint half-open byte ranges, with an O(log n) overlap test (a state has thousands of tensors)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def overlaps(self, start: int, end: int) -> bool:
+        i = bisect.bisect_right(self._starts, start)
+        if i > 0 and self._ends[i - 1] > start:
+            return True
+        return i < len(self._starts) and self._starts[i] < end
+
+    def add(self, start: int, end: int) -> None:
+        i = bisect.bisect_right(self._starts, start)
+        self._starts.insert(i, start)
+        self._ends.insert(i, end)
 
 
 _ALIGNED_MIN = 1 << 20

@@ -143,20 +143,23 @@ class StagedWrite:
 
     # -- caller thread --------------------------------------------------------------------------
 
-    def stage(self) -> None:
+    def stage(self, *, overlap: bool = True) -> None:
         """Copy every unit into the arena and submit its write.
 
-        When the whole save fits in the arena (the usual case: the budget defaults to one copy of the
-        state) and the state is in host memory, everything is copied first in one parallel bulk copy and
-        the writes are submitted after it: the caller waits for exactly one copy of its state, without
-        the writers competing for the same cores. Otherwise (CUDA tensors, or a state streaming through a
-        smaller budget) each unit's write is submitted the moment it is staged.
+        Args:
+            overlap: submit each unit's write the moment it is staged, so writing overlaps copying (best
+                when the caller waits for durability anyway). False, for a save whose caller only waits for
+                staging: when the save fits in the arena and the state is in host memory, copy everything
+                first in one parallel bulk copy and submit the writes after it, so the caller waits for
+                one copy of its state without the writers competing for the same cores. CUDA tensors and
+                states streaming through a smaller budget always overlap.
         """
         start = time.perf_counter()
         units_by_tensor: dict[int, list[Unit]] = {}
         for u in self.plan.units:
             units_by_tensor.setdefault(u.tensor, []).append(u)
-        if not self.pinned and self.copier is not None and self.plan.total_bytes <= self.ring.capacity:
+        fits = self.plan.total_bytes <= self.ring.capacity
+        if not overlap and not self.pinned and self.copier is not None and fits:
             self._stage_bulk(units_by_tensor)
             self.stage_s = time.perf_counter() - start
             return
