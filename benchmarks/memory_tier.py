@@ -8,7 +8,8 @@ One run, same state (a GPT-like dict of fp32 tensors), same process:
 
 Usage::
 
-    .venv/bin/python benchmarks/memory_tier.py --state-mb 1024 --dir /work/scratch --json benchmarks/results/memory_tier.json
+    .venv/bin/python benchmarks/memory_tier.py --state-mb 1024 --dir DIR \
+        --json benchmarks/results/memory_tier.json
 
 Every restore is checksum-verified (as always); reported rates are state bytes over wall seconds.
 """
@@ -28,10 +29,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from async_save import gpt_like_state, memcpy_s, state_bytes, tensors_of  # noqa: E402
+from async_save import gpt_like_state, memcpy_s, state_bytes, tensors_of
 
-import tiersave  # noqa: E402
-from tiersave.storage.memory import MemoryStorage  # noqa: E402
+import tiersave
+from tiersave.storage.memory import MemoryStorage
 
 
 def evict(root: Path) -> str:
