@@ -93,21 +93,6 @@ class FlatTensor:
     nbytes: int
     source: torch.Tensor | np.ndarray
 
-    def cpu_bytes(self) -> memoryview:
-        """Contiguous CPU bytes (copies only for non-contiguous or non-CPU sources)."""
-        src = self.source
-        if isinstance(src, np.ndarray):
-            return ndarray_byte_view(np.ascontiguousarray(src))
-        t = src.detach()
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
-        t = as_bits(t)
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        return tensor_byte_view(t.contiguous())
-
 
 @dataclass
 class FlatState:

@@ -4,7 +4,7 @@ Scope: the ``io="auto" | "direct" | "buffered"`` choice for each read or write a
 a short calibration that measures direct and buffered throughput once per file system and caches it on
 disk; statistics of what each path moved and why. Anti-scope: the system calls themselves
 (:mod:`tiersave.engine.directio`), durability (the storage ``fsync``-s), chunking and threads
-(:mod:`tiersave.engine.writer`, :mod:`tiersave.engine.reader`).
+(:mod:`tiersave.engine.pipeline`, :mod:`tiersave.engine.reader`).
 
 Decision rules of :meth:`IOPolicy.decide`, first match wins (``Decision.reason`` names the rule):
 

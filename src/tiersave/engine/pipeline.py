@@ -33,7 +33,6 @@ from ..format.checksum import crc32c_update
 from ..format.layout import ALIGN, align_up
 from ..stage import HostCopier, Ring, StagingArena, needs_pinned, source_bytes
 from ..storage.base import BlobWriter, Storage
-from .writer import ShardLayout, TensorSource, plan_layout
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +50,32 @@ class Unit:
     src_start: int
     length: int
     padded: int
+
+
+@dataclass
+class ShardLayout:
+    """One shard file of a save: its name, its size (a multiple of 4096) and the tensors in it."""
+
+    file: str
+    size: int
+    tensors: list[tuple[int, int]] = field(default_factory=list)  # (tensor index, offset)
+
+
+def plan_layout(
+    nbytes: Sequence[int], files: Callable[[int], str], *, max_shard_bytes: int | None = None
+) -> list[ShardLayout]:
+    """Place tensors in order at 4 KiB-aligned offsets (docs/format.md section 3), starting a new shard
+    past ``max_shard_bytes``."""
+    shards: list[ShardLayout] = []
+    cursor = 0
+    for index, size in enumerate(nbytes):
+        if not shards or (max_shard_bytes is not None and cursor > 0 and cursor + size > max_shard_bytes):
+            shards.append(ShardLayout(files(len(shards)), 0))
+            cursor = 0
+        shards[-1].tensors.append((index, cursor))
+        cursor = align_up(cursor + size, ALIGN)
+        shards[-1].size = cursor
+    return shards
 
 
 @dataclass
@@ -80,25 +105,19 @@ def plan_save(
     """Lay out tensors (docs/format.md offsets) and cut them into units."""
     if chunk_bytes % ALIGN:
         raise ValueError(f"chunk_bytes {chunk_bytes} is not a multiple of {ALIGN}")
-    sources = [TensorSource(n, b, _no_data) for n, b in zip(names, nbytes)]
-    shards = plan_layout(sources, shard_file, max_shard_bytes=max_shard_bytes)
-    index = {n: i for i, n in enumerate(names)}
+    shards = plan_layout(nbytes, shard_file, max_shard_bytes=max_shard_bytes)
     plan = SavePlan(list(names), list(nbytes), shards, [], chunk_bytes)
     base = 0
     for s, shard in enumerate(shards):
-        for placed in shard.tensors:
-            name, size = placed.source.name, placed.source.nbytes
-            plan.offsets[name] = (s, placed.offset)
+        for index, offset in shard.tensors:
+            size = nbytes[index]
+            plan.offsets[names[index]] = (s, offset)
             for c, start in enumerate(range(0, size, chunk_bytes)):
                 length = min(chunk_bytes, size - start)
-                off = placed.offset + start
-                plan.units.append(Unit(index[name], c, s, off, base + off, start, length, align_up(length)))
+                off = offset + start
+                plan.units.append(Unit(index, c, s, off, base + off, start, length, align_up(length)))
         base += shard.size
     return plan
-
-
-def _no_data() -> memoryview:  # plan_layout needs only names and sizes
-    raise AssertionError("unreachable")
 
 
 class StagedWrite:
