@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
+from .._futures import wait_all
 from ..errors import CorruptCheckpointError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import TensorEntry
@@ -46,12 +47,7 @@ def read_tensors(
         reader = reader_for(req.entry.shard)
         for i, (off, length) in enumerate(chunk_ranges(req.entry.nbytes, chunk_bytes)):
             futures.append(executor.submit(_read_chunk, reader, req, i, off, length, describe))
-    done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-    for fut in pending:
-        fut.cancel()
-    wait(pending)
-    for fut in done:
-        fut.result()
+    wait_all(futures)
     return time.perf_counter() - start
 
 

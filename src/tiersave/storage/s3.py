@@ -52,10 +52,11 @@ import time
 import urllib.parse
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator, Mapping
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .._futures import wait_all
 from ..errors import (
     AlreadyExistsError,
     BackendUnavailableError,
@@ -660,12 +661,7 @@ class S3BlobReader:
         futures: list[Future[None]] = [
             pool.submit(self._fetch, offset + start, view[start : start + step]) for start in range(0, len(view), step)
         ]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for fut in pending:
-            fut.cancel()
-        wait(pending)
-        for fut in done:
-            fut.result()
+        wait_all(futures)
 
     def _fetch(self, offset: int, view: memoryview) -> None:
         if not view:
