@@ -33,8 +33,8 @@ import numpy as np
 
 from tiersave.bench.device import evict, measure_raw
 from tiersave.engine.buffers import aligned_buffer
-from tiersave.sizing import parse_bytes
 from tiersave.storage.local import LocalStorage
+from tiersave.units import parse_bytes
 
 UNIT = 64 << 20
 

@@ -45,9 +45,9 @@ from tiersave.engine.copy import copy_checkpoint
 from tiersave.format.checksum import chunk_ranges, crc32c_hex
 from tiersave.format.layout import shard_filename, step_dirname
 from tiersave.format.manifest import Manifest, ShardInfo, TensorEntry
-from tiersave.sizing import parse_bytes
 from tiersave.storage.memory import MemoryStorage
 from tiersave.testing.seaweed import SeaweedServer
+from tiersave.units import parse_bytes
 
 CHUNK = 64 << 20
 

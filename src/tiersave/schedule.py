@@ -24,16 +24,15 @@ Young and Daly); the *period* is save start to save start, ``interval + C``.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
 from .errors import ConfigError
+from .units import SECONDS_PER_DAY, format_duration, parse_duration
 
 __all__ = [
-    "SECONDS_PER_DAY",
     "AutoSchedule",
     "BandwidthPlan",
     "Component",
@@ -49,9 +48,7 @@ __all__ = [
     "cluster_mttf_s",
     "daly_interval_s",
     "expected_goodput",
-    "format_duration",
     "optimal_interval_s",
-    "parse_duration",
     "parse_schedule",
     "plan_bandwidth",
     "plan_interval",
@@ -59,88 +56,9 @@ __all__ = [
     "young_interval_s",
 ]
 
-SECONDS_PER_DAY = 86_400.0
-
 # Two float computations of "the same" period differ in the last bits; a tier whose drain equals its
 # period exactly keeps up.
 _REL_TOL = 1e-9
-
-
-# ------------------------------------------------------------------------------------------------ durations
-
-_UNIT_SECONDS = {
-    "ms": 1e-3,
-    "s": 1.0,
-    "sec": 1.0,
-    "secs": 1.0,
-    "second": 1.0,
-    "seconds": 1.0,
-    "m": 60.0,
-    "min": 60.0,
-    "mins": 60.0,
-    "minute": 60.0,
-    "minutes": 60.0,
-    "h": 3600.0,
-    "hr": 3600.0,
-    "hrs": 3600.0,
-    "hour": 3600.0,
-    "hours": 3600.0,
-    "d": SECONDS_PER_DAY,
-    "day": SECONDS_PER_DAY,
-    "days": SECONDS_PER_DAY,
-    "y": 365.25 * SECONDS_PER_DAY,
-    "year": 365.25 * SECONDS_PER_DAY,
-    "years": 365.25 * SECONDS_PER_DAY,
-}
-_NUMBER = r"[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?"
-_PART_RE = re.compile(rf"({_NUMBER})([a-z]+)")
-_DURATION_RE = re.compile(rf"(?:{_NUMBER}[a-z]+)+")
-
-
-def parse_duration(text: str | float) -> float:
-    """Parse a duration to seconds: ``"124min"``, ``"4h"``, ``"1h30m"``, ``"90s"``, ``"2.5d"``, ``"600"``.
-
-    A bare number is seconds. Units: ms, s, m/min, h, d, y (365.25 days).
-
-    Raises:
-        ConfigError: malformed, negative or not finite.
-    """
-    if isinstance(text, bool):
-        raise ConfigError(f"cannot read {text!r} as a duration")
-    if isinstance(text, (int, float)):
-        seconds = float(text)
-    else:
-        compact = text.strip().lower().replace(" ", "")
-        try:
-            seconds = float(compact)
-        except ValueError:
-            if not _DURATION_RE.fullmatch(compact):
-                raise ConfigError(
-                    f"cannot read {text!r} as a duration (examples: 600, 90s, 124min, 4h, 1h30m, 2d)"
-                ) from None
-            parts = _PART_RE.findall(compact)
-            unknown = sorted({unit for _, unit in parts if unit not in _UNIT_SECONDS})
-            if unknown:
-                raise ConfigError(
-                    f"duration {text!r}: unknown unit {', '.join(unknown)}; use ms, s, min, h, d or y"
-                ) from None
-            seconds = sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(f"a duration must be finite and >= 0, got {text!r}")
-    return seconds
-
-
-def format_duration(seconds: float) -> str:
-    """Format seconds with a unit a person reads at a glance: ``"120 s"``, ``"6.2 min"``, ``"4 h"``."""
-    for limit, unit, scale in (
-        (120.0, "s", 1.0),
-        (3 * 3600.0, "min", 60.0),
-        (3 * SECONDS_PER_DAY, "h", 3600.0),
-        (730 * SECONDS_PER_DAY, "d", SECONDS_PER_DAY),
-    ):
-        if seconds < limit:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / _UNIT_SECONDS['y']:.3g} y"
 
 
 def _require_positive(what: str, value: float) -> float:

@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,12 +42,9 @@ __all__ = [
     "Recipe",
     "StateComponent",
     "checkpoint_size",
-    "format_si_bytes",
     "get_preset",
     "get_recipe",
     "measure_state",
-    "parse_bytes",
-    "parse_count",
 ]
 
 DTYPE_BYTES: Mapping[str, float] = {
@@ -756,56 +752,3 @@ def _describe_leaf(leaf: Any) -> tuple[int, int, str, tuple[Any, ...]]:
 
 
 # -------------------------------------------------------------------------------------------- quantities
-
-_NUMBER = r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)"
-_BYTES_RE = re.compile(rf"^\s*{_NUMBER}\s*((?:[kmgtpe]i?)?)(?:b|byte|bytes)?\s*(?:/s)?\s*$")
-_BYTE_UNITS = {
-    **{prefix: 1000**i for i, prefix in enumerate(("", "k", "m", "g", "t", "p", "e"))},
-    **{prefix + "i": 1024**i for i, prefix in enumerate(("", "k", "m", "g", "t", "p", "e")) if prefix},
-}
-_COUNT_RE = re.compile(rf"^\s*{_NUMBER}\s*([kmbt]?)\s*$")
-_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
-
-
-def _parse_quantity(text: str, pattern: re.Pattern[str], units: Mapping[str, int], what: str, examples: str) -> int:
-    match = pattern.match(text.lower())
-    if match is None:
-        raise ConfigError(f"cannot read {text!r} as {what} (examples: {examples})")
-    value = round(float(match.group(1)) * units[match.group(2)])
-    if value < 1:
-        raise ConfigError(f"{what} must be at least 1, got {text!r}")
-    return value
-
-
-def parse_bytes(text: str) -> int:
-    """Parse a byte quantity: ``"5TB"`` (decimal), ``"130GiB"`` (binary), ``"4096"``, ``"13GB/s"``.
-
-    Raises:
-        ConfigError: malformed, or less than one byte.
-    """
-    return _parse_quantity(text, _BYTES_RE, _BYTE_UNITS, "a byte quantity", "4096, 130GiB, 5TB, 13GB/s")
-
-
-def parse_count(text: str) -> int:
-    """Parse a parameter count: ``"405B"`` (billions), ``"70.6e9"``, ``"124M"``, ``"1.5T"``.
-
-    Raises:
-        ConfigError: malformed, zero or negative.
-    """
-    return _parse_quantity(text, _COUNT_RE, _COUNT_UNITS, "a parameter count", "124M, 8B, 70.6e9")
-
-
-def format_si_bytes(n: float, suffix: str = "") -> str:
-    """Format bytes with decimal units, as storage vendors quote them: ``4.87 TB``, ``13.1 GB/s``.
-
-    Args:
-        n: bytes (or bytes per second).
-        suffix: appended to the unit, e.g. ``"/s"``.
-    """
-    units = ("B", "kB", "MB", "GB", "TB", "PB", "EB")
-    exponent = 0 if n < 1000 else min(int(math.log10(n) // 3), len(units) - 1)
-    scaled = n / 1000**exponent
-    if exponent == 0:
-        return f"{scaled:.0f} {units[0]}{suffix}"
-    digits = 2 if scaled < 10 else 1 if scaled < 100 else 0
-    return f"{scaled:.{digits}f} {units[exponent]}{suffix}"

@@ -22,14 +22,13 @@ from tiersave.schedule import (
     cluster_mttf_s,
     daly_interval_s,
     expected_goodput,
-    format_duration,
-    parse_duration,
     parse_schedule,
     plan_bandwidth,
     plan_interval,
     tier_every_for,
     young_interval_s,
 )
+from tiersave.units import format_duration, parse_duration
 
 HOUR = 3600.0
 LLAMA3_405B_12_BYTES = 12 * 405_853_388_800  # bf16-adam-master, see test_sizing

@@ -13,13 +13,11 @@ from tiersave.sizing import (
     Architecture,
     Parallelism,
     checkpoint_size,
-    format_si_bytes,
     get_preset,
     get_recipe,
     measure_state,
-    parse_bytes,
-    parse_count,
 )
+from tiersave.units import format_si_bytes, parse_bytes, parse_count
 
 GiB = 2**30
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import ConfigError
-from ..sizing import parse_bytes
+from ..units import parse_bytes
 from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, positive_int, table
 
 _EPILOG = """\

@@ -17,7 +17,7 @@ from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, human_bytes, 
 
 def _bytes(text: str) -> int:
     from ..errors import ConfigError
-    from ..sizing import parse_bytes
+    from ..units import parse_bytes
 
     try:
         return parse_bytes(text)

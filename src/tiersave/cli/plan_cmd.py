@@ -15,15 +15,12 @@ from typing import Any
 
 from ..errors import BackendUnavailableError, ConfigError
 from ..schedule import (
-    SECONDS_PER_DAY,
     BandwidthPlan,
     Component,
     FailureModel,
     Formula,
     IntervalPlan,
     TierSpec,
-    format_duration,
-    parse_duration,
     plan_bandwidth,
     plan_interval,
 )
@@ -33,11 +30,9 @@ from ..sizing import (
     CheckpointSize,
     Parallelism,
     checkpoint_size,
-    format_si_bytes,
     get_preset,
-    parse_bytes,
-    parse_count,
 )
+from ..units import SECONDS_PER_DAY, format_duration, format_si_bytes, parse_bytes, parse_count, parse_duration
 from ._common import EXIT_OK, Output, add_json_flag, human_bytes, table
 
 _DEFAULT_RECIPE = "bf16-adam-mixed"

@@ -190,8 +190,7 @@ class S3Options:
         Raises:
             ConfigError: a malformed URI, an unknown option or a bad value.
         """
-        from ..schedule import parse_duration
-        from ..sizing import parse_bytes
+        from ..units import parse_bytes, parse_duration
 
         environ = os.environ if env is None else env
         parsed = urllib.parse.urlsplit(uri)
