@@ -41,7 +41,7 @@ import numpy as np
 import obstore
 
 from tiersave.catalog import Catalog
-from tiersave.engine.copy import copy_checkpoint
+from tiersave.drain import copy_checkpoint
 from tiersave.format.checksum import chunk_ranges, crc32c_hex
 from tiersave.format.layout import shard_filename, step_dirname
 from tiersave.format.manifest import Manifest, ShardInfo, TensorEntry

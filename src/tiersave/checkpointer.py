@@ -46,9 +46,10 @@ import torch
 
 from . import _lifecycle, knobs
 from .catalog import CheckpointInfo, VerifyReport
-from .engine.copy import copy_checkpoint
+from .drain import copy_checkpoint
 from .engine.pipeline import StagedWrite, plan_save
 from .engine.pool import DaemonThreadPool
+from .engine.stage import HostCopier, StagingArena, needs_pinned
 from .errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -67,7 +68,6 @@ from .handle import SaveHandle
 from .policy import RetentionPolicy
 from .restore import Restore
 from .schedule import SaveCost, Schedule, parse_schedule
-from .stage import HostCopier, StagingArena, needs_pinned
 from .state import flatten
 from .storage.base import Storage
 from .tiers import Protection, Tier, TierRuntime, check_chain, to_policy

@@ -13,7 +13,7 @@ import tiersave
 from helpers import assert_same
 from tiersave.catalog import Catalog
 from tiersave.commit import MarkerCommit
-from tiersave.engine.copy import copy_checkpoint, copy_checkpoints, same_checkpoint
+from tiersave.drain import copy_checkpoint, copy_checkpoints, same_checkpoint
 from tiersave.errors import AlreadyExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from tiersave.format.layout import step_dirname
 from tiersave.storage.local import LocalStorage

@@ -23,7 +23,7 @@ import torch
 import tiersave
 from tiersave.catalog import Catalog
 from tiersave.commit import MarkerCommit, attempt_dirname
-from tiersave.engine.copy import copy_checkpoint
+from tiersave.drain import copy_checkpoint
 from tiersave.errors import AlreadyExistsError, StorageError, TransientStorageError
 from tiersave.format.layout import step_dirname
 from tiersave.storage.local import LocalStorage

@@ -335,7 +335,7 @@ def handle_bytes(state) -> int:
 def test_host_copier_splits_and_balances_copies_exactly():
     import random as _random
 
-    from tiersave.stage import HostCopier
+    from tiersave.engine.stage import HostCopier
 
     rng = _random.Random(5)
     sizes = [rng.choice([1, 4095, 4096, 70_001, 3 << 20, 17 << 20]) for _ in range(40)]

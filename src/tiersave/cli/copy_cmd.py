@@ -51,7 +51,7 @@ def register(sub: Any) -> None:
 
 def _copy(args: argparse.Namespace, out: Output) -> int:
     from ..catalog import Catalog
-    from ..engine.copy import CopyResult, copy_checkpoint
+    from ..drain import CopyResult, copy_checkpoint
     from ..errors import CheckpointNotFoundError
     from ..storage import open_storage
 

@@ -2,7 +2,7 @@
 
 ``aligned_buffer(n)`` returns a writable ``memoryview`` of ``n`` bytes whose address is a multiple of
 4096. It is backed by numpy (no torch), so the I/O engine stays usable without torch; pinned (page-locked)
-buffers for CUDA copies come from ``tiersave.stage``, which checks their alignment the same way.
+buffers for CUDA copies come from ``tiersave.engine.stage``, which checks their alignment the same way.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ import torch
 from .._crash import crashpoint
 from ..format.checksum import crc32c_update
 from ..format.layout import ALIGN, align_up
-from ..stage import HostCopier, Ring, StagingArena, needs_pinned, source_bytes
 from ..storage.base import BlobWriter, Storage
+from .stage import HostCopier, Ring, StagingArena, needs_pinned, source_bytes
 
 log = logging.getLogger(__name__)
 

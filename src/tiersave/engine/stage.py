@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import ConfigError
-from .format.layout import ALIGN, align_up
+from ..errors import ConfigError
+from ..format.layout import ALIGN, align_up
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class HostCopier:
     _PIECE = 16 << 20  # smaller copies run inline: handing them to a thread costs more than it saves
 
     def __init__(self, threads: int | None = None) -> None:
-        from .engine.pool import DaemonThreadPool
+        from .pool import DaemonThreadPool
 
         count = threads if threads is not None else min(4, os.cpu_count() or 1)
         self.threads = max(1, count)
@@ -241,7 +241,7 @@ def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
 def source_bytes(source: torch.Tensor | np.ndarray) -> torch.Tensor:
     """A flat, contiguous uint8 tensor over a value's bytes, on the value's device (copies only when the
     value is not contiguous or carries a conj/neg bit)."""
-    from .state import as_bits
+    from ..state import as_bits
 
     if isinstance(source, np.ndarray):
         arr = np.ascontiguousarray(source)

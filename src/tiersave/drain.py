@@ -28,15 +28,15 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .. import knobs
-from ..catalog import Catalog
-from ..commit import commit_for
-from ..errors import AlreadyExistsError, ConfigError, CorruptCheckpointError
-from ..format.checksum import chunk_ranges, crc32c_hex
-from ..format.layout import MANIFEST_NAME, shard_filename, step_dirname
-from ..format.manifest import Manifest, ShardInfo
-from ..storage.base import BlobReader, BlobWriter, Storage
-from .buffers import aligned_buffer
+from . import knobs
+from .catalog import Catalog
+from .commit import commit_for
+from .engine.buffers import aligned_buffer
+from .errors import AlreadyExistsError, ConfigError, CorruptCheckpointError
+from .format.checksum import chunk_ranges, crc32c_hex
+from .format.layout import MANIFEST_NAME, shard_filename, step_dirname
+from .format.manifest import Manifest, ShardInfo
+from .storage.base import BlobReader, BlobWriter, Storage
 
 log = logging.getLogger(__name__)
 
