@@ -34,7 +34,8 @@ from .errors import (
 # name -> module that defines it; imported on first access.
 _LAZY: dict[str, str] = {
     "Checkpointer": ".checkpointer",
-    "RestoreReport": ".checkpointer",
+    "RestoreReport": ".restore",
+    "Tier": ".tiers",
     "SaveHandle": ".handle",
     "SaveStats": ".handle",
     "CheckpointInfo": ".catalog",
@@ -44,9 +45,11 @@ _LAZY: dict[str, str] = {
 
 if _typing.TYPE_CHECKING:  # pragma: no cover
     from .catalog import CheckpointInfo, VerifyReport  # noqa: F401
-    from .checkpointer import Checkpointer, RestoreReport  # noqa: F401
+    from .checkpointer import Checkpointer  # noqa: F401
     from .handle import SaveHandle, SaveStats  # noqa: F401
+    from .restore import RestoreReport  # noqa: F401
     from .rng import RNGState  # noqa: F401
+    from .tiers import Tier  # noqa: F401
 
 __all__ = [
     "AlreadyExistsError",

@@ -1,4 +1,7 @@
-"""The save event log: one JSON line per save (committed, failed or skipped) with its timings.
+"""What background work reports: the save event log, and warnings raised from background threads.
+
+The event log has one JSON line per save (committed, failed or skipped) with its timings, and one per
+drain to a later tier.
 
 Lives at ``ROOT/tiersave-events.jsonl`` for a local root. Each record is appended with a single
 ``O_APPEND`` write, so concurrent writers never interleave within a line; the log is informational
@@ -11,8 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
+
+from .errors import TiersaveWarning
 
 log = logging.getLogger(__name__)
 
@@ -60,3 +66,13 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             if isinstance(value, dict):
                 records.append(value)
     return records
+
+
+def background_warning(message: str) -> None:
+    """Warn from a background thread: logged always, and a ``TiersaveWarning`` unless warnings are
+    configured as errors (an exception here would kill the thread doing the work, not reach the user)."""
+    log.warning("%s", message)
+    try:
+        warnings.warn(message, TiersaveWarning, stacklevel=2)
+    except Warning:
+        pass

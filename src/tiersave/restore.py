@@ -1,16 +1,25 @@
-"""Restore one checkpoint into a live state: choose destinations, read and verify, copy, rebuild.
+"""Restore a checkpoint: choose the step and the tier to read, then read one copy into a live state.
 
-Scope: deciding, for each stored tensor, whether its bytes can land directly in a live tensor's memory
-(same dtype and shape, CPU, contiguous, not already claimed by another stored tensor), allocating the
-rest (pinned when a CUDA copy follows), reading everything with checksum verification, then copying to
-the live tensors that could not be read in place and loading the tree into the live state.
+:func:`restore_from` picks the candidates (the requested step, or the newest), tries each copy fastest tier
+first and falls back on a copy that is missing or fails verification (to another tier, then, for "newest",
+to an older step). :class:`Restore` reads one copy: it decides, for each stored tensor, whether its bytes
+can land directly in a live tensor's memory (same dtype and shape, CPU, contiguous, not already claimed by
+another stored tensor), allocates the rest (pinned when a CUDA copy follows), reads everything with checksum
+verification, then copies to the live tensors that could not be read in place and loads the tree into the
+live state.
 Nothing in the live state changes through ``load_state_dict`` or dict updates unless every byte verified.
+
+Anti-scope: the byte reads and checksums (engine/reader.py), matching a saved tree against a live state
+(state.py), which tiers exist and what they hold (tiers.py).
 """
 
 from __future__ import annotations
 
 import bisect
+import time
+import warnings
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,7 +27,15 @@ import torch
 
 from .catalog import OpenCheckpoint
 from .engine.reader import ReadRequest
-from .errors import StateMismatchError
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatError,
+    StateMismatchError,
+    StorageError,
+    TiersaveError,
+    TiersaveWarning,
+)
 from .format.layout import ALIGN
 from .state import (
     apply_into,
@@ -32,6 +49,92 @@ from .state import (
     tensor_byte_view,
     torch_dtype,
 )
+from .tiers import TierChain, TierRuntime
+
+
+@dataclass
+class RestoreReport:
+    """What the last ``restore()`` did.
+
+    Attributes:
+        step: the step restored.
+        location: URI of the checkpoint read.
+        bytes_read: tensor bytes read and verified.
+        seconds: wall time of the restore.
+        in_place: tensors read directly into the live state's memory.
+        skipped: ``(step, reason)`` for each copy (newer, or in a faster tier) that could not be used.
+        tier: the name of the tier it was read from.
+    """
+
+    step: int
+    location: str
+    bytes_read: int
+    seconds: float
+    in_place: int
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    tier: str = ""
+
+
+def restore_from(
+    chain: TierChain, step: int | None, tag: str | None, into: Any, strict: bool, pool: Executor
+) -> tuple[Any, RestoreReport]:
+    """Restore ``step`` (None: the newest; with ``tag``, the newest carrying it) from the fastest tier holding
+    a good copy; see ``Checkpointer.restore`` for the fallback rules and the errors raised."""
+    start = time.perf_counter()
+    holders: dict[int, list[TierRuntime]] = {}
+    missing: list[CheckpointNotFoundError] = []
+    for tier in chain.tiers:
+        try:
+            found = tier.catalog.find(step, tag)
+        except CheckpointNotFoundError as exc:
+            missing.append(exc)
+            continue
+        for s in found:
+            holders.setdefault(s, []).append(tier)
+    if not holders:
+        if len(missing) == 1:
+            raise missing[0]
+        if missing:
+            raise CheckpointNotFoundError("; ".join(str(e) for e in missing))
+        raise CheckpointNotFoundError(f"no committed checkpoint in {chain.where()}")
+    skipped: list[tuple[int, str]] = []
+    last_error: TiersaveError | None = None
+    for candidate in sorted(holders, reverse=True):
+        for tier in holders[candidate]:
+            chain.protection.hold(tier.index, candidate)  # retention must not delete what we are reading
+            try:
+                with tier.catalog.open(candidate) as ckpt:
+                    result, nbytes, in_place = Restore(ckpt, into, strict).run(pool)
+            except (FormatError, CheckpointNotFoundError, StorageError) as exc:  # this copy is unusable
+                last_error = exc
+                skipped.append((candidate, f"on {tier.name}: {exc}"))
+                fallback = "another tier" if tier is not holders[candidate][-1] else "an older checkpoint"
+                if step is not None and tier is holders[candidate][-1]:
+                    break
+                warnings.warn(
+                    f"skipping the copy of step {candidate} on tier {tier.name} ({tier.storage.uri}): {exc}; "
+                    f"trying {fallback}",
+                    TiersaveWarning,
+                    stacklevel=3,
+                )
+                continue
+            finally:
+                chain.protection.release(tier.index, candidate)
+            report = RestoreReport(
+                candidate,
+                tier.catalog.location(candidate),
+                nbytes,
+                time.perf_counter() - start,
+                in_place,
+                skipped,
+                tier.name,
+            )
+            return result, report
+    if step is not None and last_error is not None and len(skipped) == 1:
+        raise last_error
+    raise CorruptCheckpointError(
+        "no usable checkpoint: every candidate failed: " + "; ".join(f"step {s} {why}" for s, why in skipped)
+    ) from last_error
 
 
 class Restore:

@@ -16,32 +16,46 @@ whose drain takes longer than the saves arrive gets every N-th checkpoint instea
 never an ever-growing queue. Retention runs per tier after each commit there and never deletes a
 checkpoint that a drain or a restore is reading, nor the newest checkpoint durable on that tier.
 
-Scope: the tier model and its per-tier runtime state. Anti-scope: moving bytes (engine/copy.py), what
-to keep (policy.py), the save and restore orchestration (checkpointer.py).
+Scope: the tier model (:class:`Tier`), each tier's runtime state (:class:`TierRuntime`) and the chain at
+run time (:class:`TierChain`): which tiers hold which step, what happens after the first tier commits (cadence,
+drains to later tiers, widening a tier that cannot keep up), retention per tier, and the protection of steps
+being read. Anti-scope: moving bytes (drain.py copies one checkpoint), what to keep (policy.py), staging and
+committing a save (saving.py), the user-facing API (checkpointer.py).
+
+Thread safety: the commit thread calls :meth:`TierChain.after_commit`; each later tier's drain runs on that
+tier's own drain thread; listing may run on any thread.
 """
 
 from __future__ import annotations
 
+import builtins
 import math
 import os
 import threading
+import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from .catalog import Catalog
+from .catalog import Catalog, CheckpointInfo
 from .commit import CommitStrategy, commit_for
+from .drain import copy_checkpoint
 from .engine.pool import DaemonThreadPool
-from .errors import ConfigError
+from .errors import CheckpointNotFoundError, ConfigError, FormatError, TiersaveError
+from .events import EVENTS_NAME, EventLog, background_warning
+from .format.manifest import Manifest
 from .policy import KeepLast, RetentionPolicy, parse_policy
 from .storage import open_storage
 from .storage.base import Storage
 
 if TYPE_CHECKING:  # pragma: no cover
-    from concurrent.futures import Future
+    from .handle import SaveHandle
 
-__all__ = ["Tier"]
+__all__ = ["Tier", "TierChain"]
 
 DEFAULT_VOLATILE_KEEP = 2
 """Checkpoints a non-durable tier (RAM) keeps when its ``keep`` is not given: bounded memory by default."""
@@ -193,3 +207,254 @@ def check_chain(tiers: list[TierRuntime]) -> None:
     uris = [t.storage.uri for t in tiers]
     if len(set(uris)) != len(uris):
         raise ConfigError("two tiers point at the same place; each tier needs its own location")
+
+
+class TierChain:
+    """The tiers of one Checkpointer at run time, fastest first.
+
+    Args:
+        specs: the tiers, fastest first; the first receives every save.
+        default_keep: retention of tiers whose ``keep`` is not given.
+        io_threads: copy threads per later tier.
+        tier_every: the schedule's answer to "how many saves apart must a tier whose drain takes this many
+            seconds receive them" (``AutoSchedule.tier_every``), or None to use the measured save period.
+        event_log: append each save's and drain's record to ``ROOT/tiersave-events.jsonl`` of the first local
+            (preferably durable) tier.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[Tier],
+        *,
+        default_keep: int | None,
+        io_threads: int,
+        tier_every: Callable[[float], int] | None = None,
+        event_log: bool = True,
+    ) -> None:
+        self.tiers: list[TierRuntime] = []
+        try:
+            for index, spec in enumerate(specs):
+                self.tiers.append(TierRuntime(spec, index, default_keep=default_keep, io_threads=io_threads))
+            check_chain(self.tiers)
+        except BaseException:
+            self.shutdown(wait=False)
+            raise
+        self.first = self.tiers[0]
+        self.protection = Protection()
+        self.events = _event_log(self.tiers) if event_log else None
+        self._tier_every = tier_every
+        self._last_commit_mono: float | None = None
+        self._save_period_s: float | None = None
+
+    @property
+    def names(self) -> builtins.list[str]:
+        return [t.name for t in self.tiers]
+
+    def get(self, name: str | None) -> TierRuntime:
+        """The tier called ``name``; the first tier for None."""
+        if name is None:
+            return self.first
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise ConfigError(f"no tier named {name!r}; tiers: {', '.join(self.names)}")
+
+    def where(self) -> str:
+        return ", ".join(t.storage.uri for t in self.tiers)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.events is not None:
+            self.events.append(record)
+
+    def shutdown(self, wait: bool) -> None:
+        for tier in self.tiers:
+            tier.shutdown(wait=wait)
+
+    def background_pools(self) -> builtins.list[DaemonThreadPool]:
+        """The drain threads, whose queues ``Checkpointer.wait`` waits out."""
+        return [t.drainer for t in self.tiers if t.drainer is not None]
+
+    # -- listing ----------------------------------------------------------------------------------
+
+    def holdings(self) -> dict[int, builtins.list[TierRuntime]]:
+        """Committed step -> the tiers holding it, fastest first."""
+        out: dict[int, builtins.list[TierRuntime]] = {}
+        for tier in self.tiers:
+            for step in tier.catalog.steps():
+                out.setdefault(step, []).append(tier)
+        return out
+
+    def list(self) -> builtins.list[CheckpointInfo]:
+        """Committed checkpoints with valid manifests, oldest first; each info describes the copy in the
+        fastest tier holding the step and names every tier holding it."""
+        out = []
+        for step, holders in sorted(self.holdings().items()):
+            info = _first_valid(step, holders)
+            if info is not None:
+                out.append(info)
+        return out
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint with a valid manifest in any tier, or None."""
+        for step, holders in sorted(self.holdings().items(), reverse=True):
+            info = _first_valid(step, holders)
+            if info is not None:
+                return info
+        return None
+
+    def info(self, step: int, *, tier: str | None = None) -> CheckpointInfo:
+        """The info of ``step`` on ``tier`` (default: the fastest tier holding it)."""
+        holdings = self.holdings()
+        holders = holdings.get(step, [])
+        if tier is not None:
+            holders = [t for t in holders if t.name == self.get(tier).name]
+        if not holders:
+            where = f"tier {tier!r}" if tier is not None else self.where()
+            raise CheckpointNotFoundError(f"no checkpoint of step {step} in {where}")
+        return replace(holders[0].catalog.info(step), tiers=tuple(t.name for t in holdings[step]))
+
+    # -- after a commit on the first tier ---------------------------------------------------------
+
+    def after_commit(self, handle: SaveHandle, manifest: Manifest, started_wall: float) -> None:
+        """Commit thread, once the first tier committed ``manifest``: record it, send it to the later tiers
+        its cadence selects, resolve ``handle``, then apply the first tier's retention."""
+        now = time.monotonic()
+        if self._last_commit_mono is not None:
+            gap = now - self._last_commit_mono
+            self._save_period_s = gap if self._save_period_s is None else 0.7 * self._save_period_s + 0.3 * gap
+        self._last_commit_mono = now
+        info = self.first.catalog.remember(manifest)
+        self.log(
+            {
+                "step": handle.step,
+                "outcome": "committed",
+                "time": started_wall,
+                "tier": self.first.name,
+                **handle.stats.to_json(),
+            }
+        )
+        for tier in self.tiers[1:]:
+            if tier.due(now):
+                self._send(tier, handle, now)
+        handle._set_result(info)
+        self.retain(self.first, self.first.policy)
+
+    def _send(self, tier: TierRuntime, handle: SaveHandle, now: float) -> None:
+        """Queue the drain of ``handle``'s checkpoint to ``tier``; a tier still busy with an earlier one
+        cannot keep up: this save is not sent to it and its cadence is widened (a warning says so)."""
+        if tier.drainer is None:
+            return
+        if tier.busy is not None and not tier.busy.done():
+            tier.skipped += 1
+            running = now - (tier.last_sent_mono or now)
+            tier.widened_every = max(tier.every + 1, self._needed_every(max(tier.last_drain_s, running)))
+            self.log(
+                {
+                    "step": handle.step,
+                    "tier": tier.name,
+                    "outcome": "drain_skipped",
+                    "time": time.time(),
+                    "reason": "previous drain still running",
+                }
+            )
+            background_warning(
+                f"tier {tier.name} ({tier.storage.uri}) cannot keep up: it is still copying an earlier checkpoint "
+                f"({running:.1f} s so far), so step {handle.step} is not sent to it; it now gets every "
+                f"{tier.every}-th checkpoint (configured: every {tier.spec.every}; {tier.skipped} skipped so far)"
+            )
+            return
+        future: Future[CheckpointInfo | None] = Future()
+        handle.tiers[tier.name] = future
+        tier.sent += 1
+        tier.last_sent_mono = now
+        self.protection.hold(0, handle.step)  # the source copy must outlive the drain
+        tier.busy = tier.drainer.submit(self._drain, tier, handle.step, future)
+
+    def _needed_every(self, drain_s: float) -> int:
+        """How many saves apart a tier whose drain takes ``drain_s`` must receive them to keep up (the
+        schedule's answer when it has one, else from the measured time between saves)."""
+        if self._tier_every is not None:
+            return max(1, int(self._tier_every(drain_s)))
+        period = self._save_period_s
+        return max(1, math.ceil(drain_s / period)) if period and period > 0 else 1
+
+    def _drain(self, tier: TierRuntime, step: int, future: Future[CheckpointInfo | None]) -> None:
+        source = self.first
+        started, started_wall = time.perf_counter(), time.time()
+        try:
+            result = copy_checkpoint(source.storage, tier.storage, step, if_exists="skip", executor=tier.copier)
+            info = tier.catalog.info(step)
+        except BaseException as exc:
+            self.protection.release(0, step)
+            self.log(
+                {"step": step, "tier": tier.name, "outcome": "drain_failed", "time": started_wall, "error": str(exc)}
+            )
+            background_warning(
+                f"copying step {step} to tier {tier.name} ({tier.storage.uri}) failed: {exc}; the checkpoint is "
+                f"safe on {source.name}, and the next due save will be sent again"
+            )
+            future.set_exception(exc)  # after the warning: whoever waits on the future has seen both
+            return
+        self.protection.release(0, step)
+        seconds = time.perf_counter() - started
+        tier.last_drain_s = seconds
+        self.log(
+            {
+                "step": step,
+                "tier": tier.name,
+                "outcome": "drained",
+                "time": started_wall,
+                "total_s": round(seconds, 6),
+                "stored_bytes": result.stored_bytes,
+                "write_gbps": round(result.stored_bytes / seconds / 1e9, 4) if seconds > 0 else 0.0,
+            }
+        )
+        future.set_result(info)
+        if tier.widened_every > 1:  # a widened tier whose drains got faster returns toward its cadence
+            tier.widened_every = min(tier.widened_every, self._needed_every(tier.last_drain_s))
+        self.retain(tier, tier.policy)
+
+    # -- retention --------------------------------------------------------------------------------
+
+    def retain(
+        self, tier: TierRuntime, policy: RetentionPolicy | None, *, warn: bool = True, leftovers: bool = False
+    ) -> builtins.list[int]:
+        """Delete what ``policy`` does not keep on ``tier``: never a protected step (being drained from or
+        read), never the tier's newest checkpoint. Returns the deleted steps."""
+        if policy is None and not leftovers:
+            return []
+        try:
+            result = tier.catalog.prune(policy=policy, protected=self.protection.steps(tier.index), leftovers=leftovers)
+        except TiersaveError as exc:
+            if not warn:
+                raise
+            background_warning(f"retention on tier {tier.name} failed: {exc}")
+            return []
+        return result.deleted
+
+    def prune(self, policy: RetentionPolicy | None, *, tier: str | None = None) -> builtins.list[int]:
+        """Apply ``policy`` now on ``tier`` (default: every tier) and remove leftovers of interrupted saves;
+        errors are raised. Returns the deleted steps."""
+        deleted: builtins.list[int] = []
+        for runtime in [self.get(tier)] if tier is not None else self.tiers:
+            deleted.extend(self.retain(runtime, policy, warn=False))
+            if runtime.storage.capabilities.atomic_rename:
+                runtime.catalog.clean_leftovers()
+        return sorted(set(deleted))
+
+
+def _first_valid(step: int, holders: Sequence[TierRuntime]) -> CheckpointInfo | None:
+    """The info of ``step`` from the fastest holder whose manifest is valid, naming every holder."""
+    for tier in holders:
+        try:
+            return replace(tier.catalog.info(step), tiers=tuple(t.name for t in holders))
+        except (FormatError, CheckpointNotFoundError):
+            continue
+    return None
+
+
+def _event_log(tiers: Sequence[TierRuntime]) -> EventLog | None:
+    """The event log goes in the first local tier that is durable, else the first local one."""
+    local = [t for t in tiers if getattr(t.storage, "root", None) is not None]
+    chosen = next((t for t in local if t.storage.capabilities.durable), local[0] if local else None)
+    return EventLog(Path(chosen.storage.root) / EVENTS_NAME) if chosen is not None else None  # type: ignore[attr-defined]

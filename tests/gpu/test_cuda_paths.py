@@ -24,7 +24,7 @@ def test_save_async_of_cuda_tensors_is_a_consistent_snapshot(root):
         state["w"].mul_(0).add_(5)  # queued on the current stream right after the call
         state["b"].fill_(1)
         handle.result(60)
-        assert ckpt._arena.pinned
+        assert ckpt._saver.arena.pinned
         restored = ckpt.restore(1)
     assert_same(restored, expected)
 

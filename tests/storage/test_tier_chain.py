@@ -124,7 +124,7 @@ def test_retention_never_deletes_a_drain_source(mem_uri, tmp_path):
         h1 = ckpt.save(1, state_for(1))  # its drain blocks on the gate
         with pytest.warns(tiersave.TiersaveWarning, match="tier slow .* cannot keep up"):
             ckpt.save(2, state_for(2))  # tier slow is busy: skipped for it
-        mem = ckpt._tiers[0].catalog
+        mem = ckpt._chain.tiers[0].catalog
         assert mem.steps() == [1, 2]  # keep=1, but step 1 is the source of a running drain
         gate.set()
         assert h1.tier_result("slow", timeout=60).step == 1
@@ -132,7 +132,7 @@ def test_retention_never_deletes_a_drain_source(mem_uri, tmp_path):
             ckpt.save(step, state_for(step))
             ckpt.wait()
         assert mem.steps() == [8]  # the drain is over: step 1 was released to retention
-        slow_steps = ckpt._tiers[1].catalog.steps()
+        slow_steps = ckpt._chain.tiers[1].catalog.steps()
         assert slow_steps[0] == 1 and len(slow_steps) >= 2 and 2 not in slow_steps
 
 
@@ -143,7 +143,7 @@ def test_a_failed_drain_is_reported_and_the_checkpoint_stays_safe(mem_uri, tmp_p
             handle = ckpt.save(1, state_for(1))
             with pytest.raises(tiersave.StorageError, match="injected"):
                 handle.tier_result("flaky", timeout=60)
-        assert ckpt._tiers[1].catalog.steps() == []
+        assert ckpt._chain.tiers[1].catalog.steps() == []
         ckpt.save(2, state_for(2))
         ckpt.wait()
         assert {i.step: i.tiers for i in ckpt.list()} == {1: ("memory",), 2: ("memory", "flaky")}
@@ -165,7 +165,7 @@ def test_slow_tier_cadence_is_widened_from_measured_drains(mem_uri, tmp_path):
 
         with pytest.warns(tiersave.TiersaveWarning, match="tier slow .* cannot keep up"):
             burst()
-        tier = ckpt._tiers[1]
+        tier = ckpt._chain.tiers[1]
         assert tier.every > 1  # widened
         assert 1 <= len(tier.catalog.steps()) < 8
 

@@ -78,7 +78,7 @@ def test_streaming_through_a_budget_smaller_than_the_state(root):
         saver.join(60)
         handle = result["handle"]
         handle.result(60)
-        assert ckpt._arena.capacity <= budget < handle.stats.stored_bytes
+        assert ckpt._saver.arena.capacity <= budget < handle.stats.stored_bytes
         assert handle.stats.stage_wait_s > 0.4
         assert ckpt.catalog.manifest(1).chunk_bytes == budget // 2
         assert_same(ckpt.restore(1), state)
@@ -90,7 +90,7 @@ def test_the_staging_arena_is_allocated_once_and_reused(root):
         for step in range(1, 21):
             ckpt.save_async(step, big_state(step, mib=1))
         ckpt.wait()
-        assert ckpt._arena.allocations == 1
+        assert ckpt._saver.arena.allocations == 1
         assert [i.step for i in ckpt.list()] == [19, 20]
 
 
@@ -316,11 +316,11 @@ def test_stats_cli_table_json_and_plot(root, tmp_path, capsys):
 def test_prepare_allocates_staging_before_the_first_save(root):
     state = big_state(3, mib=2)
     with tiersave.Checkpointer(root) as ckpt:
-        assert ckpt._arena.capacity == 0
+        assert ckpt._saver.arena.capacity == 0
         ckpt.prepare(state)
-        assert ckpt._arena.capacity >= handle_bytes(state) and ckpt._arena.allocations == 1
+        assert ckpt._saver.arena.capacity >= handle_bytes(state) and ckpt._saver.arena.allocations == 1
         handle = ckpt.save(1, state)
-        assert ckpt._arena.allocations == 1  # the save reused it
+        assert ckpt._saver.arena.allocations == 1  # the save reused it
         assert handle.stats.extra["io"]  # bytes per I/O path of the local tier, recorded per save
         assert sum(handle.stats.extra["io"].values()) >= handle.stats.stored_bytes
 

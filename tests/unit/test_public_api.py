@@ -44,6 +44,7 @@ def test_exported_names_are_stable():
             "SaveTimeoutError",
             "StateMismatchError",
             "StorageError",
+            "Tier",
             "TiersaveError",
             "TiersaveWarning",
             "TransientStorageError",

@@ -12,7 +12,12 @@ Call order (the Checkpointer's):
    when everything is staged (the *staged* moment). With a state larger than the ring it waits for
    writes to free space as it goes.
 3. ``finish()`` on a background thread: waits for the writes, makes every shard durable, and returns
-   the checksums. ``abort()`` discards the shards after any failure.
+   the manifest's shard and tensor entries (:class:`Written`). ``abort()`` discards the shards after any
+   failure.
+
+Scope: moving one save's tensor bytes from the state into shard objects of a ``Storage`` (layout, staging,
+checksums, parallel writes, durability). Anti-scope: flattening the state tree (state.py), naming the save's
+prefix and committing it (commit.py, the checkpoint level), and everything about tiers and catalogs.
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .._crash import crashpoint
 from ..format.checksum import crc32c_update
 from ..format.layout import ALIGN, align_up
+from ..format.manifest import ShardInfo, TensorEntry
 from ..storage.base import BlobWriter, Storage
 from .stage import HostCopier, Ring, StagingArena, needs_pinned, source_bytes
 
@@ -78,6 +84,19 @@ def plan_layout(
     return shards
 
 
+class TensorSpec(Protocol):
+    """What the planner needs of a tensor to save (``state.FlatTensor`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
 @dataclass
 class SavePlan:
     """Where every tensor of a save goes. ``names[i]`` is tensor ``i``; units are in global order."""
@@ -88,15 +107,25 @@ class SavePlan:
     units: list[Unit]
     chunk_bytes: int
     offsets: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (shard, offset)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
         return sum(s.size for s in self.shards)
 
 
+@dataclass(frozen=True)
+class Written:
+    """A finished write: the manifest's shard and tensor entries, and the chunk size of its checksums."""
+
+    shards: tuple[ShardInfo, ...]
+    tensors: dict[str, TensorEntry]
+    chunk_bytes: int
+
+
 def plan_save(
-    names: Sequence[str],
-    nbytes: Sequence[int],
+    tensors: Sequence[TensorSpec],
     *,
     chunk_bytes: int,
     shard_file: Callable[[int], str],
@@ -105,8 +134,10 @@ def plan_save(
     """Lay out tensors (docs/format.md offsets) and cut them into units."""
     if chunk_bytes % ALIGN:
         raise ValueError(f"chunk_bytes {chunk_bytes} is not a multiple of {ALIGN}")
+    names = [t.name for t in tensors]
+    nbytes = [t.nbytes for t in tensors]
     shards = plan_layout(nbytes, shard_file, max_shard_bytes=max_shard_bytes)
-    plan = SavePlan(list(names), list(nbytes), shards, [], chunk_bytes)
+    plan = SavePlan(names, nbytes, shards, [], chunk_bytes, {}, [t.dtype for t in tensors], [t.shape for t in tensors])
     base = 0
     for s, shard in enumerate(shards):
         for index, offset in shard.tensors:
@@ -272,8 +303,17 @@ class StagedWrite:
 
     # -- background thread ----------------------------------------------------------------------
 
-    def finish(self) -> dict[str, tuple[str, ...]]:
-        """Wait for every unit's write, make every shard durable; return checksums by tensor name."""
+    def finish(self, shard_file: Callable[[str], str], *, rank: int = 0) -> Written:
+        """Wait for every unit's write and make every shard durable.
+
+        Args:
+            shard_file: the manifest's ``file`` for a shard written at ``f"{prefix}/{name}"`` (the commit
+                protocol's ``shard_file``).
+            rank: the rank recorded as the writer of these shards.
+
+        Returns:
+            The manifest entries of what was written, checksums included.
+        """
         start = time.perf_counter()
         wait(self.futures)
         for fut in self.futures:
@@ -283,7 +323,15 @@ class StagedWrite:
             writer.finish(shard.size)
         crashpoint("after_shard_fsync")
         self.write_s = time.perf_counter() - start
-        return {name: tuple(self.crcs[i]) for i, name in enumerate(self.plan.names)}
+        plan = self.plan
+        tensors = {}
+        for i, name in enumerate(plan.names):
+            shard_index, offset = plan.offsets[name]
+            tensors[name] = TensorEntry(
+                name, plan.dtypes[i], plan.shapes[i], shard_index, offset, plan.nbytes[i], tuple(self.crcs[i])
+            )
+        shards = tuple(ShardInfo(shard_file(s.file), rank, s.size) for s in plan.shards)
+        return Written(shards, tensors, plan.chunk_bytes)
 
     def abort(self) -> None:
         """Discard everything written (waits for in-flight writes first)."""

@@ -1,0 +1,263 @@
+"""One save into the first tier: validate, flatten, lay out and stage it, then write, build its manifest and commit.
+
+A save crosses two threads. :meth:`Saver.stage` runs on the caller's thread: it flattens the state, lays the
+tensors out, opens the attempt's prefix with the tier's commit protocol and copies every byte into the staging
+arena (the only part that blocks training). :meth:`Saver.complete` runs on the commit thread: it waits for the
+writes, makes the shards durable, builds the manifest from what was written and commits it. Either way, a
+failure leaves nothing visible: the attempt's prefix is removed and the error is stored on the save's handle.
+
+Scope: the life of one save on the first tier, and the validation of what a caller passes to ``save``.
+Anti-scope: when to save and what a save does while another is in flight (checkpointer.py); later tiers,
+drains and retention (tiers.py); moving the bytes (engine/); the manifest's encoding (format/).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .engine.pipeline import StagedWrite, plan_save
+from .engine.stage import HostCopier, StagingArena, needs_pinned
+from .errors import ConfigError, FormatError
+from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
+from .format.layout import MAX_STEP, align_up, is_valid_tag, shard_filename
+from .format.manifest import Manifest
+from .handle import SaveHandle
+from .state import flatten
+from .storage.base import Storage
+from .tiers import TierRuntime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """What a caller asked to record with a save, validated: see :meth:`validate`."""
+
+    step: int
+    metrics: dict[str, float]
+    tags: tuple[str, ...]
+    metadata: dict[str, Any]
+
+    @classmethod
+    def validate(
+        cls, step: Any, metrics: Mapping[str, float] | None, tags: Iterable[str], metadata: Mapping[str, Any] | None
+    ) -> SaveRequest:
+        """Check ``save()``'s arguments.
+
+        Raises:
+            ConfigError: a step outside ``[0, 2**63)``, a metric that is not a finite number, a malformed tag,
+                or metadata that is not plain JSON.
+        """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= int(step) <= MAX_STEP:
+            raise ConfigError(f"step must be an integer in [0, 2**63), got {step!r}")
+        metrics_d: dict[str, float] = {}
+        for key, value in (metrics or {}).items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, np.generic):
+                value = value.item()
+            if not isinstance(key, str) or not is_finite_number(value):
+                raise ConfigError(f"metric {key!r} must be a finite number, got {value!r}")
+            metrics_d[key] = value if isinstance(value, int) else float(value)
+        if isinstance(tags, str):
+            tags = (tags,)
+        tags_t = tuple(dict.fromkeys(tags))
+        for tag in tags_t:
+            if not isinstance(tag, str) or not is_valid_tag(tag):
+                raise ConfigError(f"tag {tag!r} must match [A-Za-z0-9][A-Za-z0-9._-]* (at most 64 characters)")
+        metadata_d = dict(metadata or {})
+        try:
+            dumps_canonical(metadata_d)
+            check_depth(metadata_d, what="metadata", limit=64)
+        except (TypeError, ValueError, FormatError) as exc:
+            raise ConfigError(f"metadata must be plain JSON (dicts, lists, strings, finite numbers): {exc}") from None
+        if not all(isinstance(k, str) for k in metadata_d):
+            raise ConfigError("metadata keys must be strings")
+        return cls(int(step), metrics_d, tags_t, metadata_d)
+
+
+@dataclass
+class PendingSave:
+    """A save between staging and commit, handed from the caller's thread to the commit thread."""
+
+    handle: SaveHandle
+    request: SaveRequest
+    job: StagedWrite
+    prefix: str
+    tree: Any
+    started: float
+    started_wall: float
+
+
+class Saver:
+    """Stages saves into one staging arena and commits them on the first tier.
+
+    Args:
+        tier: the first tier (every save is written there).
+        chunk_bytes: checksum and I/O chunk (validated by the caller).
+        max_shard_bytes: start a new shard file past this many bytes (None: one shard).
+        staging_bytes: the staging budget (None: one copy of the state, within the memory available).
+        pool: the I/O threads that write the shards.
+        log_event: records failed saves in the event log.
+
+    Thread safety: :meth:`stage` on one caller thread at a time, :meth:`complete` on the commit thread.
+    """
+
+    def __init__(
+        self,
+        tier: TierRuntime,
+        *,
+        chunk_bytes: int,
+        max_shard_bytes: int | None,
+        staging_bytes: int | None,
+        pool: Executor,
+        log_event: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.storage: Storage = tier.storage
+        self.commit = tier.commit
+        self.chunk_bytes = chunk_bytes
+        self.max_shard_bytes = max_shard_bytes
+        self.arena = StagingArena(staging_bytes)
+        self.copier = HostCopier()
+        self.pool = pool
+        self.log_event = log_event
+        self.staging_step: int | None = None  # the step being staged on the caller's thread, if any
+        self.last_total_s = 0.0  # the last committed save's time from start to commit
+
+    def close(self, *, release_memory: bool) -> None:
+        self.copier.close()
+        if release_memory:
+            self.arena.release()
+
+    def prepare(self, state: Any) -> None:
+        """Allocate (and fault in) the staging memory that a save of ``state`` needs."""
+        flat = flatten(state)
+        padded = sum(align_up(t.nbytes) for t in flat.tensors)
+        chunk = self.chunk_for(padded)
+        self.arena.reserve(
+            padded, pinned=needs_pinned([t.source for t in flat.tensors]), min_bytes=min(2 * chunk, padded)
+        )
+
+    def chunk_for(self, padded_bytes: int) -> int:
+        """The chunk size for a save of ``padded_bytes`` (tensors padded to 4 KiB): the configured one,
+        unless the state streams through a smaller staging budget; then at most half the budget, so
+        staging and writing overlap."""
+        budget = self.arena.budget_for(padded_bytes)
+        if budget >= padded_bytes:
+            return self.chunk_bytes
+        return min(self.chunk_bytes, max(4096, (budget // 2) // 4096 * 4096))
+
+    # -- caller's thread --------------------------------------------------------------------------
+
+    def stage(
+        self, handle: SaveHandle, request: SaveRequest, state: Any, started: float, started_wall: float, blocking: bool
+    ) -> PendingSave:
+        """Flatten, lay out and stage ``state``. On failure nothing is visible and the error is raised."""
+        stats = handle.stats
+        prefix: str | None = None
+        job: StagedWrite | None = None
+        self.staging_step = request.step
+        try:
+            flat = flatten(state)
+            stats.flatten_s = time.perf_counter() - started
+            plan = plan_save(
+                flat.tensors,
+                chunk_bytes=self.chunk_for(sum(align_up(t.nbytes) for t in flat.tensors)),
+                shard_file=lambda i: shard_filename(0, i),
+                max_shard_bytes=self.max_shard_bytes,
+            )
+            prefix = self.commit.begin(request.step)
+            io_before = _io_bytes(self.storage)
+            job = StagedWrite(
+                self.storage, prefix, plan, [t.source for t in flat.tensors], self.arena, self.pool, self.copier
+            )
+            job.stage(overlap=blocking)  # async: shortest stall; blocking: shortest time to durable
+        except BaseException as exc:
+            if job is not None:
+                job.abort()
+            if prefix is not None:
+                self._abort_prefix(prefix)
+            handle._set_error(exc)
+            handle._observed = True  # raised right here, to the caller
+            self.log_event({"step": request.step, "outcome": "failed", "time": started_wall, "error": str(exc)})
+            raise
+        finally:
+            self.staging_step = None
+        if not job.pinned:
+            handle._set_staged()  # CPU copies are done; device copies are confirmed by the commit thread
+        stats.stage_s = job.stage_s
+        stats.stage_wait_s = job.ring.waited_s
+        stats.tensor_bytes = flat.nbytes
+        stats.stored_bytes = plan.total_bytes
+        stats.num_tensors = len(flat.tensors)
+        stats.blocked_s = time.perf_counter() - started
+        stats.extra["io_before"] = io_before
+        return PendingSave(handle, request, job, prefix, flat.tree, started, started_wall)
+
+    # -- commit thread ----------------------------------------------------------------------------
+
+    def complete(self, p: PendingSave) -> Manifest | None:
+        """Wait for the writes, make them durable and commit. Returns the committed manifest, or None after
+        a failure, which is then stored on the handle (and in the event log) and leaves nothing visible."""
+        handle, stats, request = p.handle, p.handle.stats, p.request
+        try:
+            p.job.wait_staged()
+            handle._set_staged()
+            written = p.job.finish(lambda name: self.commit.shard_file(p.prefix, name))
+            stats.write_s = time.perf_counter() - p.started - stats.flatten_s
+            before = stats.extra.pop("io_before", None)
+            after = _io_bytes(self.storage)
+            if before is not None and after is not None:  # bytes per I/O path (direct, buffered...)
+                stats.extra["io"] = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+            stats.total_s = time.perf_counter() - p.started
+            manifest = Manifest(
+                step=request.step,
+                shards=written.shards,
+                tensors=written.tensors,
+                tree=p.tree,
+                chunk_bytes=written.chunk_bytes,
+                metrics=request.metrics,
+                tags=request.tags,
+                metadata=request.metadata,
+                stats=stats.to_json(),
+            )
+            t_commit = time.perf_counter()
+            self.commit.commit(p.prefix, request.step, manifest.to_json())
+            stats.commit_s = time.perf_counter() - t_commit
+        except BaseException as exc:
+            p.job.abort()
+            self._abort_prefix(p.prefix)
+            self.log_event(
+                {
+                    "step": request.step,
+                    "outcome": "failed",
+                    "time": p.started_wall,
+                    "error": str(exc),
+                    **stats.to_json(),
+                }
+            )
+            handle._set_error(exc)
+            return None
+        stats.total_s = time.perf_counter() - p.started
+        self.last_total_s = stats.total_s
+        return manifest
+
+    def _abort_prefix(self, prefix: str) -> None:
+        try:
+            self.commit.abort(prefix)
+        except Exception:  # keep the original error; prune removes what is left
+            log.warning("could not remove %s after a failed save", prefix, exc_info=True)
+
+
+def _io_bytes(storage: Storage) -> dict[str, int] | None:
+    """Bytes the storage moved per I/O path so far (storages with I/O statistics only)."""
+    io_stats = getattr(storage, "io_stats", None)
+    return io_stats.bytes_by_path() if io_stats is not None else None
