@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 
@@ -16,3 +18,19 @@ def wait_all(futures: Iterable[Future[Any]]) -> None:
     wait(pending)
     for fut in done:
         fut.result()
+
+
+def wait_queues(executors: Iterable[Executor], timeout: float | None) -> bool:
+    """Wait until every task queued so far on each single-threaded ``executor`` has run: a no-op queued
+    now runs after them. Returns False if ``timeout`` seconds passed first; a shut-down executor has
+    nothing pending."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for executor in executors:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            executor.submit(lambda: None).result(remaining)
+        except FutureTimeout:
+            return False
+        except RuntimeError:  # shut down: nothing can be pending
+            pass
+    return True

@@ -37,13 +37,13 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Literal
 
 from . import _lifecycle, knobs
+from ._futures import wait_queues
 from .catalog import CheckpointInfo, VerifyReport
 from .engine.pool import DaemonThreadPool
-from .errors import CheckpointNotFoundError, ConfigError, SaveError, TiersaveWarning
+from .errors import CheckpointNotFoundError, ClosedError, ConfigError, SaveError, TiersaveWarning
 from .format.layout import MAX_CHUNK_BYTES
 from .handle import SaveHandle
 from .policy import RetentionPolicy
@@ -97,20 +97,7 @@ class Checkpointer:
         handle_sigterm: bool = True,
         event_log: bool = True,
     ) -> None:
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ConfigError(f"keep_last must be a positive integer or None, got {keep_last!r}")
-        threads = io_threads if io_threads is not None else knobs.io_threads()
-        if not isinstance(threads, int) or threads < 1:
-            raise ConfigError(f"io_threads must be a positive integer, got {threads!r}")
-        chunk = chunk_bytes if chunk_bytes is not None else knobs.chunk_bytes()
-        if not isinstance(chunk, int) or chunk < 4096 or chunk > MAX_CHUNK_BYTES or chunk % 4096:
-            raise ConfigError(f"chunk_bytes must be a multiple of 4096 in [4096, {MAX_CHUNK_BYTES}], got {chunk!r}")
-        if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes < 4096):
-            raise ConfigError(f"max_shard_bytes must be >= 4096 or None, got {max_shard_bytes!r}")
-        if on_busy not in ("wait", "skip", "raise"):
-            raise ConfigError(f"on_busy must be 'wait', 'skip' or 'raise', got {on_busy!r}")
-        if not exit_timeout_s >= 0:
-            raise ConfigError(f"exit_timeout_s must be >= 0, got {exit_timeout_s!r}")
+        threads, chunk = _check_options(keep_last, io_threads, chunk_bytes, max_shard_bytes, on_busy, exit_timeout_s)
         self._schedule = parse_schedule(schedule)
         if (root is None) == (tiers is None):
             raise ConfigError("give either a root (one tier) or tiers=[...], not both and not neither")
@@ -201,7 +188,7 @@ class Checkpointer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ConfigError("this Checkpointer is closed")
+            raise ClosedError(f"this Checkpointer ({self.storage.uri}) is closed")
 
     def wait(self, timeout: float | None = None, *, raise_errors: bool = True) -> bool:
         """Wait until no save is in flight and its follow-up work (drains to later tiers, retention) is done.
@@ -219,15 +206,8 @@ class Checkpointer:
             return False
         # Each background thread runs its queue in order: once a no-op queued now has run, retention and
         # every other follow-up of the saves before it have run too.
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for pool in [self._committer, *self._chain.background_pools()]:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                pool.submit(lambda: None).result(remaining)
-            except FutureTimeout:
-                return False
-            except RuntimeError:  # the pool is already shut down: nothing can be pending
-                pass
+        if not wait_queues([self._committer, *self._chain.background_pools()], timeout):
+            return False
         if raise_errors:
             err = pending.exception()
             if err is not None:
@@ -484,3 +464,29 @@ class Checkpointer:
         self._check_open()
         result, self.last_restore = restore_from(self._chain, step, tag, into, strict, self._pool)
         return result
+
+
+def _check_options(
+    keep_last: int | None,
+    io_threads: int | None,
+    chunk_bytes: int | None,
+    max_shard_bytes: int | None,
+    on_busy: str,
+    exit_timeout_s: float,
+) -> tuple[int, int]:
+    """Validate the Checkpointer's numeric options; returns the I/O threads and the chunk size in use."""
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ConfigError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+    threads = io_threads if io_threads is not None else knobs.io_threads()
+    if not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"io_threads must be a positive integer, got {threads!r}")
+    chunk = chunk_bytes if chunk_bytes is not None else knobs.chunk_bytes()
+    if not isinstance(chunk, int) or chunk < 4096 or chunk > MAX_CHUNK_BYTES or chunk % 4096:
+        raise ConfigError(f"chunk_bytes must be a multiple of 4096 in [4096, {MAX_CHUNK_BYTES}], got {chunk!r}")
+    if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes < 4096):
+        raise ConfigError(f"max_shard_bytes must be >= 4096 or None, got {max_shard_bytes!r}")
+    if on_busy not in ("wait", "skip", "raise"):
+        raise ConfigError(f"on_busy must be 'wait', 'skip' or 'raise', got {on_busy!r}")
+    if not exit_timeout_s >= 0:
+        raise ConfigError(f"exit_timeout_s must be >= 0, got {exit_timeout_s!r}")
+    return threads, chunk

@@ -68,6 +68,12 @@ class ConfigError(TiersaveError, ValueError):
     """An option or argument is invalid; raised before any I/O happens."""
 
 
+class ClosedError(ConfigError, RuntimeError):
+    """An object was used after it was closed or shut down (a Checkpointer, a thread pool).
+
+    A ``RuntimeError`` too, as ``concurrent.futures`` executors raise on a submit after shutdown."""
+
+
 class UnsupportedStateError(TiersaveError, TypeError):
     """The state tree holds an object that tiersave cannot save without pickle.
 

@@ -1,5 +1,5 @@
 """Units a person types and reads: durations (``"4h"``, ``"1h30m"``) and byte and count quantities
-(``"130GiB"``, ``"13GB/s"``, ``"405B"``).
+(``"130GiB"``, ``"13GB/s"``, ``"405B"``), and the plain-text table that reports print them in.
 
 Scope: parsing those strings strictly (a malformed one is a ``ConfigError`` with examples) and formatting
 numbers back with a unit. Anti-scope: everything else; this is a leaf that the planner, the storage options
@@ -14,7 +14,16 @@ from collections.abc import Mapping
 
 from .errors import ConfigError
 
-__all__ = ["SECONDS_PER_DAY", "format_duration", "format_si_bytes", "parse_bytes", "parse_count", "parse_duration"]
+__all__ = [
+    "SECONDS_PER_DAY",
+    "format_duration",
+    "format_si_bytes",
+    "human_bytes",
+    "parse_bytes",
+    "parse_count",
+    "parse_duration",
+    "table",
+]
 
 SECONDS_PER_DAY = 86_400.0
 
@@ -149,3 +158,25 @@ def format_si_bytes(n: float, suffix: str = "") -> str:
         return f"{scaled:.0f} {units[0]}{suffix}"
     digits = 2 if scaled < 10 else 1 if scaled < 100 else 0
     return f"{scaled:.{digits}f} {units[exponent]}{suffix}"
+
+
+def human_bytes(n: float) -> str:
+    """Format a byte count with binary units: ``1.5 GiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024 or unit == "PiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """Render a plain-text table with left-aligned columns."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    sep = "  ".join("-" * w for w in widths)
+    body = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(row.rstrip() for row in [line, sep, *body])

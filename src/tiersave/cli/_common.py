@@ -1,4 +1,4 @@
-"""Helpers shared by the CLI commands: output in text or JSON, errors, exit codes, byte formatting."""
+"""Helpers shared by the CLI commands: output in text or JSON, errors, exit codes."""
 
 from __future__ import annotations
 
@@ -56,25 +56,3 @@ def report_error(out: Output, exc: BaseException) -> None:
     if out.json:
         sys.stdout.write(json.dumps({"error": {"type": kind, "message": message}}) + "\n")
     sys.stderr.write(f"tiersave: error: {message}\n")
-
-
-def human_bytes(n: float) -> str:
-    """Format a byte count with binary units: ``1.5 GiB``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    """Render a plain-text table with left-aligned columns."""
-    widths = [len(h) for h in headers]
-    for row in rows:
-        for i, cell in enumerate(row):
-            widths[i] = max(widths[i], len(cell))
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
-    sep = "  ".join("-" * w for w in widths)
-    body = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    return "\n".join(row.rstrip() for row in [line, sep, *body])

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import ConfigError
-from ..units import parse_bytes
-from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, positive_int, table
+from ..units import parse_bytes, table
+from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, positive_int
 
 _EPILOG = """\
 examples:

@@ -12,7 +12,8 @@ import argparse
 import time
 from typing import Any
 
-from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, human_bytes, positive_int, report_error, table
+from ..units import human_bytes, table
+from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, positive_int, report_error
 
 
 def _bytes(text: str) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._common import EXIT_OK, Output, add_json_flag, human_bytes
+from ..units import human_bytes
+from ._common import EXIT_OK, Output, add_json_flag
 
 
 def register(sub: Any) -> None:

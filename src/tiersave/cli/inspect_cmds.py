@@ -6,7 +6,8 @@ import argparse
 import math
 from typing import Any
 
-from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, human_bytes, table
+from ..units import human_bytes, table
+from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag
 
 
 def register(sub: Any) -> None:

@@ -32,8 +32,17 @@ from ..sizing import (
     checkpoint_size,
     get_preset,
 )
-from ..units import SECONDS_PER_DAY, format_duration, format_si_bytes, parse_bytes, parse_count, parse_duration
-from ._common import EXIT_OK, Output, add_json_flag, human_bytes, table
+from ..units import (
+    SECONDS_PER_DAY,
+    format_duration,
+    format_si_bytes,
+    human_bytes,
+    parse_bytes,
+    parse_count,
+    parse_duration,
+    table,
+)
+from ._common import EXIT_OK, Output, add_json_flag
 
 _DEFAULT_RECIPE = "bf16-adam-mixed"
 

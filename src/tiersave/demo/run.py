@@ -24,7 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cli._common import human_bytes, table
+from ..errors import TiersaveError
+from ..units import human_bytes, table
+
+
+class DemoError(TiersaveError):
+    """The demonstration could not run (its worker process failed)."""
 
 
 @dataclass
@@ -51,7 +56,7 @@ def _worker(args: list[str]) -> subprocess.Popen[str]:
 
 def _follow(proc: subprocess.Popen[str], log: RunLog, kill_at: int | None = None) -> None:
     if proc.stdout is None:
-        raise RuntimeError("demo worker has no stdout pipe")
+        raise DemoError("the demo worker has no stdout pipe")
     for line in proc.stdout:
         event = json.loads(line)
         kind = event["event"]
@@ -71,7 +76,7 @@ def _follow(proc: subprocess.Popen[str], log: RunLog, kill_at: int | None = None
     log.seconds = time.perf_counter() - log.started
     if kill_at is None and proc.returncode != 0:
         err = proc.stderr.read() if proc.stderr else ""
-        raise RuntimeError(f"demo worker failed with exit code {proc.returncode}:\n{err}")
+        raise DemoError(f"the demo worker failed with exit code {proc.returncode}:\n{err}")
 
 
 def main(

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
+from ..errors import ClosedError
+
 T = TypeVar("T")
 
 _STOP = object()
@@ -23,6 +25,7 @@ class DaemonThreadPool(Executor):
     """A fixed-size pool of daemon worker threads. ``submit`` is thread-safe."""
 
     def __init__(self, workers: int, name: str) -> None:
+        self._name = name
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -39,7 +42,7 @@ class DaemonThreadPool(Executor):
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         with self._lock:
             if self._shutdown:
-                raise RuntimeError("cannot submit to a pool that was shut down")
+                raise ClosedError(f"cannot submit to the thread pool {self._name!r}: it was shut down")
             fut: Future[T] = Future()
             self._queue.put((fut, fn, args, kwargs))
             return fut
