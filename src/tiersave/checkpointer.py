@@ -64,9 +64,9 @@ from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
 from .format.layout import MAX_CHUNK_BYTES, MAX_STEP, align_up, is_valid_tag, shard_filename
 from .format.manifest import Manifest, ShardInfo, TensorEntry
 from .handle import SaveHandle
+from .planner.schedule import SaveCost, Schedule, parse_schedule
 from .policy import RetentionPolicy
 from .restore import Restore
-from .schedule import SaveCost, Schedule, parse_schedule
 from .stage import HostCopier, StagingArena, needs_pinned
 from .state import flatten
 from .storage.base import Storage

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from tiersave.errors import ConfigError
-from tiersave.schedule import (
+from tiersave.planner.schedule import (
     AutoSchedule,
     Component,
     EveryNSteps,
@@ -478,8 +478,8 @@ def test_parse_schedule_rejects(spec: object, message: str) -> None:
 
 
 def test_docstring_examples_run() -> None:
-    import tiersave.schedule
+    import tiersave.planner.schedule
 
-    result = doctest.testmod(tiersave.schedule)
+    result = doctest.testmod(tiersave.planner.schedule)
     assert result.attempted >= 8
     assert result.failed == 0

@@ -7,7 +7,7 @@ import doctest
 import pytest
 
 from tiersave.errors import ConfigError
-from tiersave.sizing import (
+from tiersave.planner.sizing import (
     PRESETS,
     RECIPES,
     Architecture,
@@ -318,8 +318,8 @@ def test_measure_real_model_and_optimizer_state(torch) -> None:
 
 
 def test_docstring_examples_run() -> None:
-    import tiersave.sizing
+    import tiersave.planner.sizing
 
-    result = doctest.testmod(tiersave.sizing)
+    result = doctest.testmod(tiersave.planner.sizing)
     assert result.attempted >= 3
     assert result.failed == 0

@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any
 
 from ..errors import BackendUnavailableError, ConfigError
-from ..schedule import (
+from ..planner.schedule import (
     BandwidthPlan,
     Component,
     FailureModel,
@@ -24,7 +24,7 @@ from ..schedule import (
     plan_bandwidth,
     plan_interval,
 )
-from ..sizing import (
+from ..planner.sizing import (
     PRESETS,
     RECIPES,
     CheckpointSize,

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from .errors import ConfigError
-from .units import SECONDS_PER_DAY, format_duration, parse_duration
+from ..errors import ConfigError
+from ..units import SECONDS_PER_DAY, format_duration, parse_duration
 
 __all__ = [
     "AutoSchedule",
