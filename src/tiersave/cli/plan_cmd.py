@@ -14,16 +14,9 @@ from enum import Enum
 from typing import Any
 
 from ..errors import BackendUnavailableError, ConfigError
-from ..planner.schedule import (
-    BandwidthPlan,
-    Component,
-    FailureModel,
-    Formula,
-    IntervalPlan,
-    TierSpec,
-    plan_bandwidth,
-    plan_interval,
-)
+from ..planner.bandwidth import BandwidthPlan, TierSpec, plan_bandwidth
+from ..planner.failures import Component, FailureModel
+from ..planner.interval import Formula, IntervalPlan, plan_interval
 from ..planner.sizing import (
     PRESETS,
     RECIPES,

@@ -1,599 +1,29 @@
-"""When to checkpoint: the failure model, the optimal interval, bandwidth needs and the schedule policies.
+"""When the training loop saves: the policies a Checkpointer asks, and the ``schedule=`` argument parser.
 
-Scope:
-    * Failure model: cluster MTTF from component counts and per-component MTTF (independent exponential
-      failures, so rates add), or from an observed record (N interruptions over D days on G accelerators),
-      scaled to another cluster size (:class:`FailureModel`).
-    * Young's interval ``sqrt(2 C M)`` and Daly's higher-order interval, the expected goodput and waste with
-      restart time (:func:`young_interval_s`, :func:`daly_interval_s`, :func:`expected_goodput`).
-    * Checkpoints per day, bytes per day and the sustained write bandwidth per tier, overall and per
-      accelerator, and whether a tier of a given bandwidth keeps up (:func:`plan_interval`,
-      :func:`plan_bandwidth`).
-    * The policies a :class:`~tiersave.Checkpointer` asks whether to save (:class:`Schedule`):
-      :class:`EveryNSteps`, :class:`EverySeconds` and :class:`AutoSchedule`, which applies Young/Daly to the
-      blocked time it measures and tells how far a slow tier's cadence must widen (``tier_every``).
+Scope: the :class:`Schedule` protocol (``due(step, now)`` and ``record(SaveCost)``), the measured
+:class:`SaveCost` of one save, the policies :class:`EveryNSteps`, :class:`EverySeconds` and
+:class:`AutoSchedule` (which applies Young/Daly to the blocked time it measures and tells how far a slow
+tier's cadence must widen, ``tier_every``), and :func:`parse_schedule`, which turns ``"steps:100"``,
+``"seconds:10min"`` or ``"auto:mttf=4h"`` into one of them.
 
-Anti-scope: no I/O, no clocks of its own (callers pass ``now``), no threads, no torch; the checkpoint size
-comes from :mod:`tiersave.sizing` or a measurement.
-
-Vocabulary used throughout: the checkpoint *cost* ``C`` is the time a save blocks training; the *interval*
-is the compute time between the end of one save's blocking part and the start of the next (the ``tau`` of
-Young and Daly); the *period* is save start to save start, ``interval + C``.
+Anti-scope: the formulas themselves (:mod:`tiersave.planner.interval`,
+:mod:`tiersave.planner.bandwidth`); no clocks of its own (callers pass ``now``), no threads, no I/O,
+no torch; acting on the answer (saving, widening a tier) is the Checkpointer's job.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
 
 from ..errors import ConfigError
-from ..units import SECONDS_PER_DAY, format_duration, parse_duration
-
-__all__ = [
-    "AutoSchedule",
-    "BandwidthPlan",
-    "Component",
-    "EveryNSteps",
-    "EverySeconds",
-    "FailureModel",
-    "Formula",
-    "IntervalPlan",
-    "SaveCost",
-    "Schedule",
-    "TierLoad",
-    "TierSpec",
-    "cluster_mttf_s",
-    "daly_interval_s",
-    "expected_goodput",
-    "optimal_interval_s",
-    "parse_schedule",
-    "plan_bandwidth",
-    "plan_interval",
-    "tier_every_for",
-    "young_interval_s",
-]
-
-# Two float computations of "the same" period differ in the last bits; a tier whose drain equals its
-# period exactly keeps up.
-_REL_TOL = 1e-9
-
-
-def _require_positive(what: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{what} must be a positive finite number, got {value!r}")
-    return float(value)
-
-
-def _require_non_negative(what: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{what} must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def _require_count(what: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
-    return value
-
-
-# -------------------------------------------------------------------------------------------- failure model
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Component:
-    """A kind of part whose failure interrupts the job.
-
-    Attributes:
-        name: e.g. ``"gpu"``, ``"host"``, ``"nic"``.
-        count: how many of them the job uses.
-        mttf_s: mean time to failure of one of them, in seconds.
-    """
-
-    name: str
-    count: int
-    mttf_s: float
-
-    def __post_init__(self) -> None:
-        _require_count(f"component {self.name!r}: count", self.count)
-        _require_positive(f"component {self.name!r}: MTTF", self.mttf_s)
-
-
-def cluster_mttf_s(components: Iterable[Component]) -> float:
-    """MTTF of a job that fails when any one component fails.
-
-    With independent exponential failures the rates add: ``1 / M = sum(count_i / mttf_i)``.
-
-    Raises:
-        ConfigError: no components.
-
-    Example::
-
-        >>> cluster_mttf_s([Component(name="gpu", count=1000, mttf_s=1000 * 3600.0)])
-        3600.0
-    """
-    rate = sum(c.count / c.mttf_s for c in components)
-    if rate == 0:
-        raise ConfigError("the failure model needs at least one component")
-    return 1.0 / rate
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class FailureModel:
-    """Failures of a job on ``accelerators`` accelerators, as a per-accelerator MTTF.
-
-    Keeping the rate per accelerator lets the same model be scaled to another cluster size: everything
-    that fails (GPUs, hosts, links) is assumed to grow in proportion to the accelerators.
-
-    Attributes:
-        accelerators: accelerators in the job.
-        accelerator_mttf_s: MTTF attributable to one accelerator (and its share of hosts, network...).
-        source: how the figure was obtained, for reports.
-    """
-
-    accelerators: int
-    accelerator_mttf_s: float
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        _require_count("accelerators", self.accelerators)
-        _require_positive("MTTF per accelerator", self.accelerator_mttf_s)
-
-    @property
-    def cluster_mttf_s(self) -> float:
-        """Mean time between job interruptions, ``accelerator_mttf_s / accelerators``."""
-        return self.accelerator_mttf_s / self.accelerators
-
-    @property
-    def interruptions_per_day(self) -> float:
-        """Expected interruptions per day of running."""
-        return SECONDS_PER_DAY / self.cluster_mttf_s
-
-    def scaled_to(self, accelerators: int) -> FailureModel:
-        """The same per-accelerator failure rate on another number of accelerators."""
-        if accelerators == self.accelerators:
-            return self
-        return FailureModel(
-            accelerators=accelerators,
-            accelerator_mttf_s=self.accelerator_mttf_s,
-            source=f"{self.source}, scaled from {self.accelerators:,} to {accelerators:,} accelerators",
-        )
-
-    @classmethod
-    def from_cluster_mttf(cls, mttf_s: float, accelerators: int) -> FailureModel:
-        """A job on ``accelerators`` accelerators that is interrupted every ``mttf_s`` seconds on average.
-
-        Raises:
-            ConfigError: ``mttf_s <= 0`` or ``accelerators < 1``.
-        """
-        mttf = _require_positive("cluster MTTF", mttf_s)
-        _require_count("accelerators", accelerators)
-        return cls(
-            accelerators=accelerators,
-            accelerator_mttf_s=mttf * accelerators,
-            source=f"cluster MTTF {format_duration(mttf)} on {accelerators:,} accelerators (given)",
-        )
-
-    @classmethod
-    def from_accelerator_mttf(cls, mttf_s: float, accelerators: int) -> FailureModel:
-        """Each accelerator (with its share of the rest) fails every ``mttf_s`` seconds on average."""
-        mttf = _require_positive("MTTF per accelerator", mttf_s)
-        return cls(
-            accelerators=accelerators,
-            accelerator_mttf_s=mttf,
-            source=f"MTTF per accelerator {format_duration(mttf)} (given)",
-        )
-
-    @classmethod
-    def from_record(
-        cls, *, interruptions: int, days: float, accelerators: int, scale_to: int | None = None
-    ) -> FailureModel:
-        """The failure rate observed on a past run, optionally scaled to another cluster size.
-
-        Args:
-            interruptions: interruptions seen (the Llama 3 405B run saw 419 unexpected ones).
-            days: how long the run was observed (54 days for that run).
-            accelerators: accelerators it ran on (16,384).
-            scale_to: the cluster size to plan for; the observed one when omitted.
-
-        Raises:
-            ConfigError: a non-positive count or duration.
-        """
-        _require_count("interruptions", interruptions)
-        span = _require_positive("observed days", days)
-        _require_count("observed accelerators", accelerators)
-        observed = cls(
-            accelerators=accelerators,
-            accelerator_mttf_s=span * SECONDS_PER_DAY * accelerators / interruptions,
-            source=f"{interruptions:,} interruptions in {span:g} days on {accelerators:,} accelerators (observed)",
-        )
-        return observed if scale_to is None else observed.scaled_to(scale_to)
-
-    @classmethod
-    def from_components(cls, components: Sequence[Component], accelerators: int) -> FailureModel:
-        """A job built from ``components`` (counts for a job of ``accelerators`` accelerators).
-
-        Raises:
-            ConfigError: no components, or a non-positive count or MTTF.
-        """
-        mttf = cluster_mttf_s(components)
-        _require_count("accelerators", accelerators)
-        parts = ", ".join(f"{c.count:,} {c.name} x MTTF {format_duration(c.mttf_s)}" for c in components)
-        return cls(
-            accelerators=accelerators,
-            accelerator_mttf_s=mttf * accelerators,
-            source=f"components {parts} (independent exponential failures)",
-        )
-
-
-# ---------------------------------------------------------------------------------------- optimal interval
-
-
-class Formula(str, Enum):
-    """Which optimum to use for the checkpoint interval."""
-
-    YOUNG = "young"
-    DALY = "daly"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-def young_interval_s(cost_s: float, mttf_s: float) -> float:
-    """Young's (1974) first-order optimal compute interval between checkpoints, ``sqrt(2 C M)``.
-
-    Args:
-        cost_s: ``C``, the time one checkpoint costs the job (blocked time).
-        mttf_s: ``M``, the job's mean time between failures.
-
-    Raises:
-        ConfigError: ``cost_s < 0`` or ``mttf_s <= 0``.
-
-    Example::
-
-        >>> young_interval_s(2.0, 3600.0)
-        120.0
-    """
-    cost = _require_non_negative("checkpoint cost", cost_s)
-    mttf = _require_positive("MTTF", mttf_s)
-    return math.sqrt(2.0 * cost * mttf)
-
-
-def daly_interval_s(cost_s: float, mttf_s: float) -> float:
-    """Daly's (2006) higher-order optimal compute interval.
-
-    ``sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C`` while ``C < 2M``, and ``M`` once the
-    checkpoint costs twice the MTTF or more (checkpointing more often than failures then only adds cost).
-
-    Raises:
-        ConfigError: ``cost_s < 0`` or ``mttf_s <= 0``.
-    """
-    cost = _require_non_negative("checkpoint cost", cost_s)
-    mttf = _require_positive("MTTF", mttf_s)
-    if cost >= 2.0 * mttf:
-        return mttf
-    ratio = cost / (2.0 * mttf)
-    return math.sqrt(2.0 * cost * mttf) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - cost
-
-
-def optimal_interval_s(cost_s: float, mttf_s: float, formula: Formula | str = Formula.DALY) -> float:
-    """The optimal compute interval by ``formula`` (``"young"`` or ``"daly"``)."""
-    chosen = _formula(formula)
-    return young_interval_s(cost_s, mttf_s) if chosen is Formula.YOUNG else daly_interval_s(cost_s, mttf_s)
-
-
-def _formula(value: Formula | str) -> Formula:
-    try:
-        return Formula(str(value).lower())
-    except ValueError:
-        raise ConfigError(f"unknown interval formula {value!r}; choose young or daly") from None
-
-
-def expected_goodput(interval_s: float, cost_s: float, mttf_s: float, restart_s: float = 0.0) -> float:
-    """Expected fraction of wall time spent on useful compute, under exponential failures.
-
-    Daly's complete model: a segment of ``tau`` compute plus a checkpoint of ``C`` takes on average
-    ``M * exp(R / M) * (exp((tau + C) / M) - 1)`` seconds when every failure costs the restart time ``R``
-    plus the work since the last checkpoint, and failures may also strike during checkpoints and restarts.
-    To first order the waste is ``C / (tau + C) + (tau + C) / 2M + R / M``.
-
-    Args:
-        interval_s: ``tau``, compute time between checkpoints.
-        cost_s: ``C``, time one checkpoint blocks the job.
-        mttf_s: ``M``, the job's MTTF.
-        restart_s: ``R``, time from a failure until training runs again (detect, reschedule, load).
-
-    Returns:
-        A fraction in ``[0, 1)``; ``1 - goodput`` is the expected waste.
-
-    Raises:
-        ConfigError: a negative time or ``mttf_s <= 0``.
-    """
-    tau = _require_non_negative("interval", interval_s)
-    cost = _require_non_negative("checkpoint cost", cost_s)
-    mttf = _require_positive("MTTF", mttf_s)
-    restart = _require_non_negative("restart time", restart_s)
-    if tau == 0:
-        return 0.0
-    try:
-        segment = mttf * math.exp(restart / mttf) * math.expm1((tau + cost) / mttf)
-    except OverflowError:  # the segment almost never completes
-        return 0.0
-    return tau / segment
-
-
-def tier_every_for(drain_s: float, period_s: float) -> int:
-    """The smallest ``N`` such that a tier whose drain takes ``drain_s`` keeps up with every N-th checkpoint.
-
-    A tier that receives every N-th checkpoint has ``N * period_s`` to make each one durable before the
-    next arrives, so ``N = ceil(drain_s / period_s)``, at least 1.
-
-    Raises:
-        ConfigError: ``drain_s < 0`` or ``period_s <= 0``.
-    """
-    drain = _require_non_negative("drain time", drain_s)
-    period = _require_positive("checkpoint period", period_s)
-    return max(1, math.ceil(drain / period * (1.0 - _REL_TOL)))
-
-
-# -------------------------------------------------------------------------------------------------- plans
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class IntervalPlan:
-    """How often to checkpoint a job and what it costs in goodput.
-
-    Attributes:
-        failure: the failure model.
-        cost_s: ``C``, time a save blocks training, when known.
-        restart_s: ``R``, time from a failure until training runs again.
-        young_interval_s: Young's optimum, when ``C`` is known.
-        daly_interval_s: Daly's optimum, when ``C`` is known.
-        interval_s: the chosen compute time between saves, when ``C`` is known.
-        period_s: the chosen time from save start to save start.
-        chosen_by: how the period was chosen, e.g. ``"daly"`` or ``"20 per MTTF"``.
-        goodput: expected useful fraction of wall time at the chosen interval, when ``C`` is known.
-    """
-
-    failure: FailureModel
-    cost_s: float | None
-    restart_s: float
-    young_interval_s: float | None
-    daly_interval_s: float | None
-    interval_s: float | None
-    period_s: float
-    chosen_by: str
-    goodput: float | None
-
-    def __post_init__(self) -> None:
-        _require_positive("checkpoint period", self.period_s)
-
-    @property
-    def checkpoints_per_day(self) -> float:
-        """Checkpoints started per day, ``86400 / period``."""
-        return SECONDS_PER_DAY / self.period_s
-
-    @property
-    def checkpoints_per_mttf(self) -> float:
-        """Checkpoints between two failures on average."""
-        return self.failure.cluster_mttf_s / self.period_s
-
-
-def plan_interval(
-    failure: FailureModel,
-    *,
-    cost_s: float | None = None,
-    restart_s: float = 0.0,
-    formula: Formula | str = Formula.DALY,
-    period_s: float | None = None,
-    checkpoints_per_mttf: float | None = None,
-) -> IntervalPlan:
-    """Choose the checkpoint period for a job: the Young/Daly optimum, or a period given directly.
-
-    Args:
-        failure: the job's failure model.
-        cost_s: ``C``, the time a save blocks training; needed for the optimum and the goodput.
-        restart_s: ``R``, the time from a failure until training runs again.
-        formula: the optimum to choose when no period is given.
-        period_s: use this save-to-save period instead of the optimum.
-        checkpoints_per_mttf: use ``cluster MTTF / checkpoints_per_mttf`` as the period.
-
-    Raises:
-        ConfigError: both or neither of ``cost_s`` and a fixed period, or a ``cost_s`` at least as long as
-            the fixed period, or non-positive inputs.
-
-    Example::
-
-        >>> f = FailureModel.from_cluster_mttf(124 * 60.0, 24_000)
-        >>> round(plan_interval(f, checkpoints_per_mttf=20).checkpoints_per_day, 1)
-        232.3
-    """
-    mttf = failure.cluster_mttf_s
-    restart = _require_non_negative("restart time", restart_s)
-    cost = None if cost_s is None else _require_non_negative("checkpoint cost", cost_s)
-    chosen = _formula(formula)
-    if period_s is not None and checkpoints_per_mttf is not None:
-        raise ConfigError("give a fixed period or a number of checkpoints per MTTF, not both")
-    young = daly = None
-    if cost is not None:
-        young, daly = young_interval_s(cost, mttf), daly_interval_s(cost, mttf)
-    if checkpoints_per_mttf is not None:
-        period = mttf / _require_positive("checkpoints per MTTF", checkpoints_per_mttf)
-        chosen_by = f"{checkpoints_per_mttf:g} per MTTF"
-    elif period_s is not None:
-        period = _require_positive("checkpoint period", period_s)
-        chosen_by = "fixed period"
-    elif cost is not None and young is not None and daly is not None:
-        interval = young if chosen is Formula.YOUNG else daly
-        if interval == 0:
-            raise ConfigError("a checkpoint cost of 0 s makes the optimal interval 0: give the measured cost")
-        period = interval + cost
-        chosen_by = chosen.value
-    else:
-        raise ConfigError(
-            "the optimal interval needs the checkpoint cost (time a save blocks training); "
-            "or fix the period, or the number of checkpoints per MTTF"
-        )
-    interval_s: float | None = None
-    goodput: float | None = None
-    if cost is not None:
-        if cost >= period:
-            raise ConfigError(
-                f"a checkpoint costing {format_duration(cost)} does not fit in a period of "
-                f"{format_duration(period)}: training would never run"
-            )
-        interval_s = period - cost
-        goodput = expected_goodput(interval_s, cost, mttf, restart)
-    return IntervalPlan(
-        failure=failure,
-        cost_s=cost,
-        restart_s=restart,
-        young_interval_s=young,
-        daly_interval_s=daly,
-        interval_s=interval_s,
-        period_s=period,
-        chosen_by=chosen_by,
-        goodput=goodput,
-    )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TierSpec:
-    """A storage tier as the planner sees it.
-
-    Attributes:
-        name: e.g. ``"memory"``, ``"local"``, ``"durable"``.
-        every: the tier receives every ``every``-th checkpoint.
-        bandwidth_bytes_per_s: the write bandwidth the job gets from this tier, when known.
-    """
-
-    name: str
-    every: int = 1
-    bandwidth_bytes_per_s: float | None = None
-
-    def __post_init__(self) -> None:
-        _require_count(f"tier {self.name!r}: every", self.every)
-        if self.bandwidth_bytes_per_s is not None:
-            _require_positive(f"tier {self.name!r}: bandwidth", self.bandwidth_bytes_per_s)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TierLoad:
-    """What one tier must sustain.
-
-    Attributes:
-        tier: the tier.
-        checkpoints_per_day: checkpoints it receives per day.
-        bytes_per_day: bytes written to it per day.
-        required_bytes_per_s: sustained write bandwidth it needs, the whole job together.
-        required_bytes_per_s_per_accelerator: the same divided among the accelerators.
-        drain_s: time to write one checkpoint at the tier's bandwidth, when known.
-        keeps_up: whether that drain fits in the time until its next checkpoint, when known.
-        min_every: the smallest cadence at which it keeps up, when known.
-    """
-
-    tier: TierSpec
-    checkpoints_per_day: float
-    bytes_per_day: float
-    required_bytes_per_s: float
-    required_bytes_per_s_per_accelerator: float
-    drain_s: float | None
-    keeps_up: bool | None
-    min_every: int | None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BandwidthPlan:
-    """The write load of checkpointing ``checkpoint_bytes`` every ``period_s`` on each tier.
-
-    Attributes:
-        checkpoint_bytes: bytes in one checkpoint of the whole job.
-        period_s: save start to save start.
-        accelerators: accelerators sharing the load.
-        tiers: the load on each tier.
-    """
-
-    checkpoint_bytes: int
-    period_s: float
-    accelerators: int
-    tiers: tuple[TierLoad, ...]
-
-    @property
-    def checkpoints_per_day(self) -> float:
-        """Checkpoints per day at this period."""
-        return SECONDS_PER_DAY / self.period_s
-
-    @property
-    def bytes_per_day(self) -> float:
-        """Bytes checkpointed per day (each checkpoint counted once, whatever the tiers)."""
-        return self.checkpoint_bytes * self.checkpoints_per_day
-
-    @property
-    def bytes_per_s(self) -> float:
-        """Sustained bandwidth to keep every checkpoint: one checkpoint per period."""
-        return self.checkpoint_bytes / self.period_s
-
-    @property
-    def bytes_per_s_per_accelerator(self) -> float:
-        """:attr:`bytes_per_s` divided among the accelerators."""
-        return self.bytes_per_s / self.accelerators
-
-
-def plan_bandwidth(
-    checkpoint_bytes: int,
-    period_s: float,
-    accelerators: int,
-    tiers: Sequence[TierSpec] = (),
-) -> BandwidthPlan:
-    """The bandwidth each tier needs to absorb a checkpoint of ``checkpoint_bytes`` every ``period_s``.
-
-    Args:
-        checkpoint_bytes: bytes in one checkpoint of the whole job.
-        period_s: save start to save start.
-        accelerators: accelerators sharing the load, for the per-accelerator figures.
-        tiers: the tiers; one tier named ``"storage"`` that takes every checkpoint when empty.
-
-    Raises:
-        ConfigError: non-positive inputs.
-
-    Example::
-
-        >>> p = plan_bandwidth(4_870_000_000_000, 372.0, 24_000)
-        >>> round(p.bytes_per_s / 1e9, 1)
-        13.1
-    """
-    _require_count("checkpoint bytes", checkpoint_bytes)
-    period = _require_positive("checkpoint period", period_s)
-    _require_count("accelerators", accelerators)
-    loads = []
-    for tier in tiers or (TierSpec(name="storage"),):
-        window = tier.every * period
-        required = checkpoint_bytes / window
-        drain = keeps_up = min_every = None
-        if tier.bandwidth_bytes_per_s is not None:
-            drain = checkpoint_bytes / tier.bandwidth_bytes_per_s
-            min_every = tier_every_for(drain, period)
-            keeps_up = min_every <= tier.every
-        loads.append(
-            TierLoad(
-                tier=tier,
-                checkpoints_per_day=SECONDS_PER_DAY / window,
-                bytes_per_day=checkpoint_bytes * SECONDS_PER_DAY / window,
-                required_bytes_per_s=required,
-                required_bytes_per_s_per_accelerator=required / accelerators,
-                drain_s=drain,
-                keeps_up=keeps_up,
-                min_every=min_every,
-            )
-        )
-    return BandwidthPlan(
-        checkpoint_bytes=checkpoint_bytes, period_s=period, accelerators=accelerators, tiers=tuple(loads)
-    )
-
-
-# ------------------------------------------------------------------------------------------------ policies
+from ..units import parse_duration
+from ._checks import require_count, require_non_negative, require_positive
+from .bandwidth import tier_every_for
+from .interval import Formula, expected_goodput, optimal_interval_s
+
+__all__ = ["AutoSchedule", "EveryNSteps", "EverySeconds", "SaveCost", "Schedule", "parse_schedule"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -617,8 +47,8 @@ class SaveCost:
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise ConfigError(f"SaveCost.step must be an integer >= 0, got {self.step!r}")
-        _require_non_negative("SaveCost.blocked_s", self.blocked_s)
-        _require_non_negative("SaveCost.drain_s", self.drain_s)
+        require_non_negative("SaveCost.blocked_s", self.blocked_s)
+        require_non_negative("SaveCost.drain_s", self.drain_s)
         if not math.isfinite(self.wall_time):
             raise ConfigError(f"SaveCost.wall_time must be finite, got {self.wall_time!r}")
 
@@ -655,7 +85,7 @@ class EveryNSteps:
     interval_steps: int
 
     def __post_init__(self) -> None:
-        _require_count("interval_steps", self.interval_steps)
+        require_count("interval_steps", self.interval_steps)
 
     def due(self, step: int, now: float) -> bool:
         """True when ``step`` is a positive multiple of :attr:`interval_steps`."""
@@ -682,7 +112,7 @@ class EverySeconds:
         Raises:
             ConfigError: ``interval_s <= 0``.
         """
-        self.interval_s = _require_positive("interval_s", interval_s)
+        self.interval_s = require_positive("interval_s", interval_s)
         self._last_start: float | None = None
 
     def __repr__(self) -> str:
@@ -766,19 +196,19 @@ class AutoSchedule:
             ConfigError: ``mttf_s <= 0``, a negative time, ``min_interval_s > max_interval_s`` or
                 ``smoothing`` outside ``(0, 1]``.
         """
-        self.mttf_s = _require_positive("mttf_s", mttf_s)
-        self.restart_s = _require_non_negative("restart_s", restart_s)
-        self.min_interval_s = _require_non_negative("min_interval_s", min_interval_s)
+        self.mttf_s = require_positive("mttf_s", mttf_s)
+        self.restart_s = require_non_negative("restart_s", restart_s)
+        self.min_interval_s = require_non_negative("min_interval_s", min_interval_s)
         self.max_interval_s = (
-            self.mttf_s if max_interval_s is None else _require_positive("max_interval_s", max_interval_s)
+            self.mttf_s if max_interval_s is None else require_positive("max_interval_s", max_interval_s)
         )
         if self.min_interval_s > self.max_interval_s:
             raise ConfigError(f"min_interval_s={self.min_interval_s:g} exceeds max_interval_s={self.max_interval_s:g}")
-        self.initial_cost_s = _require_non_negative("initial_cost_s", initial_cost_s)
+        self.initial_cost_s = require_non_negative("initial_cost_s", initial_cost_s)
         if isinstance(smoothing, bool) or not (isinstance(smoothing, (int, float)) and 0 < smoothing <= 1):
             raise ConfigError(f"smoothing must be in (0, 1], got {smoothing!r}")
         self.smoothing = float(smoothing)
-        self.formula = _formula(formula)
+        self.formula = Formula.parse(formula)
         self.saves = 0
         self._cost_s: float | None = None
         self._drain_s: float | None = None
