@@ -7,16 +7,9 @@ import doctest
 import pytest
 
 from tiersave.errors import ConfigError
-from tiersave.planner.sizing import (
-    PRESETS,
-    RECIPES,
-    Architecture,
-    Parallelism,
-    checkpoint_size,
-    get_preset,
-    get_recipe,
-    measure_state,
-)
+from tiersave.planner.architecture import PRESETS, Architecture, get_preset
+from tiersave.planner.recipes import RECIPES, get_recipe
+from tiersave.planner.sizing import Parallelism, checkpoint_size, measure_state
 from tiersave.units import format_si_bytes, parse_bytes, parse_count
 
 GiB = 2**30

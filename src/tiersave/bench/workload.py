@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..planner.sizing import Architecture, get_preset
+from ..planner.architecture import Architecture, get_preset
 
 if TYPE_CHECKING:
     import torch

@@ -14,17 +14,12 @@ from enum import Enum
 from typing import Any
 
 from ..errors import BackendUnavailableError, ConfigError
+from ..planner.architecture import PRESETS, get_preset
 from ..planner.bandwidth import BandwidthPlan, TierSpec, plan_bandwidth
 from ..planner.failures import Component, FailureModel
 from ..planner.interval import Formula, IntervalPlan, plan_interval
-from ..planner.sizing import (
-    PRESETS,
-    RECIPES,
-    CheckpointSize,
-    Parallelism,
-    checkpoint_size,
-    get_preset,
-)
+from ..planner.recipes import RECIPES
+from ..planner.sizing import CheckpointSize, Parallelism, checkpoint_size
 from ..units import SECONDS_PER_DAY, format_duration, format_si_bytes, parse_bytes, parse_count, parse_duration
 from ._common import EXIT_OK, Output, add_json_flag, human_bytes, table
 

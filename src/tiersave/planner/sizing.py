@@ -1,15 +1,15 @@
-"""Checkpoint size from a model description, a precision recipe and a parallel layout.
+"""How many bytes a checkpoint holds, in total and per rank: computed from a description, or measured.
 
-Scope: the number of bytes a checkpoint holds, in total and per rank, computed from a parameter count or an
-architecture preset (``llama3-70b``...) and a :class:`Recipe` that states the bytes per parameter of every
-saved component (weights, gradients, fp32 master weights, each optimizer moment); per-rank sizes under
-tensor, pipeline and data parallelism with ZeRO-style sharding (FSDP is ZeRO-3); and the size of a real state
-dict or of a model built on the ``meta`` device (:func:`measure_state`). Every result carries the
-assumptions that produced it, so a printed figure can be checked by hand.
+Scope: the bytes of one checkpoint from a parameter count or an architecture
+(:mod:`tiersave.planner.architecture`) and a precision recipe (:mod:`tiersave.planner.recipes`); per-rank
+sizes under tensor, pipeline and data parallelism with ZeRO-style sharding (FSDP is ZeRO-3)
+(:class:`Parallelism`, :func:`checkpoint_size`); and the size of a real state dict or of a model built on
+the ``meta`` device (:func:`measure_state`). Every computed result carries the assumptions that produced it,
+so a printed figure can be checked by hand.
 
 Anti-scope: activations, temporary buffers and allocator overheads (they are never checkpointed); non-tensor
 state such as RNG, data position and scheduler (kilobytes); the failure model and bandwidth needs, which
-live in :mod:`tiersave.schedule`.
+live in :mod:`tiersave.planner.failures` and :mod:`tiersave.planner.bandwidth`.
 
 This module imports only the standard library. :func:`measure_state` reads tensors through their own
 methods, so it works on torch tensors without importing torch here.
@@ -29,420 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from ._checks import require_count
+from .architecture import Architecture, get_preset
+from .recipes import Recipe, StateComponent, get_recipe
 
-__all__ = [
-    "DTYPE_BYTES",
-    "PRESETS",
-    "RECIPES",
-    "Architecture",
-    "CheckpointSize",
-    "ComponentSize",
-    "MeasuredState",
-    "Parallelism",
-    "Recipe",
-    "StateComponent",
-    "checkpoint_size",
-    "get_preset",
-    "get_recipe",
-    "measure_state",
-]
-
-DTYPE_BYTES: Mapping[str, float] = {
-    "fp64": 8,
-    "fp32": 4,
-    "tf32": 4,  # stored as fp32
-    "bf16": 2,
-    "fp16": 2,
-    "fp8": 1,
-    "int8": 1,
-    "int4": 0.5,
-}
-
-# A component is sharded across data-parallel ranks from this ZeRO stage on (DeepSpeed's definition:
-# stage 1 shards the optimizer state, 2 adds gradients, 3 adds the parameters; FSDP FULL_SHARD is stage 3).
-_SHARDED_FROM = {"weights": 3, "grads": 2, "master": 1, "moment": 1}
-
-
-def _num(value: float) -> str:
-    return f"{value:g}"
-
-
-def _require_positive_int(what: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
-
-
-# --------------------------------------------------------------------------------------------- architecture
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Architecture:
-    """A decoder-only transformer, described well enough to count its parameters exactly.
-
-    Attributes:
-        name: preset name, e.g. ``"llama3-70b"``.
-        layers: transformer blocks.
-        hidden: model width (d_model).
-        ffn_hidden: MLP inner width.
-        heads: attention (query) heads; the head size is ``hidden // heads``.
-        kv_heads: key/value heads (grouped-query attention); equal to ``heads`` for multi-head attention.
-        vocab: vocabulary size (embedding rows).
-        gated_mlp: SwiGLU-style MLP with three matrices (gate, up, down) instead of two.
-        tied_embeddings: the output head reuses the input embedding matrix.
-        bias: linear layers carry biases (GPT-2/GPT-3 style).
-        layernorm: LayerNorm with weight and bias; ``False`` means RMSNorm (weight only).
-        max_positions: rows of a learned absolute position embedding; 0 for rotary embeddings.
-        source: where the numbers come from.
-    """
-
-    name: str
-    layers: int
-    hidden: int
-    ffn_hidden: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    gated_mlp: bool = True
-    tied_embeddings: bool = False
-    bias: bool = False
-    layernorm: bool = False
-    max_positions: int = 0
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        for attr in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab"):
-            _require_positive_int(f"{self.name}: {attr}", getattr(self, attr))
-        if self.max_positions < 0:
-            raise ConfigError(f"{self.name}: max_positions must be >= 0, got {self.max_positions}")
-        if self.hidden % self.heads:
-            raise ConfigError(f"{self.name}: hidden={self.hidden} is not divisible by heads={self.heads}")
-        if self.heads % self.kv_heads:
-            raise ConfigError(f"{self.name}: heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
-
-    @property
-    def head_dim(self) -> int:
-        """Size of one attention head."""
-        return self.hidden // self.heads
-
-    @property
-    def norm_params(self) -> int:
-        """Parameters of one normalization layer."""
-        return 2 * self.hidden if self.layernorm else self.hidden
-
-    @property
-    def layer_params(self) -> int:
-        """Parameters of one transformer block (attention, MLP, two norms)."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        attn = h * h + 2 * h * kv + h * h  # q, k, v, o
-        mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden
-        if self.bias:
-            attn += h + 2 * kv + h
-            mlp += (2 if self.gated_mlp else 1) * self.ffn_hidden + h
-        return attn + mlp + 2 * self.norm_params
-
-    @property
-    def embedding_params(self) -> int:
-        """Input token embedding plus learned position embedding (first pipeline stage)."""
-        return (self.vocab + self.max_positions) * self.hidden
-
-    @property
-    def head_params(self) -> int:
-        """Final norm plus output projection (last pipeline stage); the projection is free when tied."""
-        return self.norm_params + (0 if self.tied_embeddings else self.vocab * self.hidden)
-
-    @property
-    def param_count(self) -> int:
-        """Total parameters, counting a tied embedding once."""
-        return self.embedding_params + self.layers * self.layer_params + self.head_params
-
-    def stage_params(self, pp: int) -> tuple[int, ...]:
-        """Parameters held by each of ``pp`` pipeline stages.
-
-        The first stage holds the embeddings and the last the output head, so when the layers do not
-        divide evenly the extra layers go to the middle stages first (Llama 3 405B trained with fewer
-        layers on its first and last stages for this reason). With a tied head the last stage keeps its
-        own copy of the embedding, as Megatron-LM does, so the stage sizes can sum to more than
-        :attr:`param_count`.
-
-        Raises:
-            ConfigError: ``pp`` is not positive or exceeds the number of layers.
-        """
-        _require_positive_int("pp", pp)
-        if pp > self.layers:
-            raise ConfigError(f"pp={pp} exceeds the {self.layers} layers of {self.name}")
-        if pp == 1:
-            return (self.param_count,)
-        base, extra = divmod(self.layers, pp)
-        order = [*range(1, pp - 1), 0, pp - 1]  # who receives an extra layer, middle stages first
-        layers = [base] * pp
-        for stage in order[:extra]:
-            layers[stage] += 1
-        params = [n * self.layer_params for n in layers]
-        params[0] += self.embedding_params
-        params[-1] += self.head_params + (self.vocab * self.hidden if self.tied_embeddings else 0)
-        return tuple(params)
-
-    def describe(self) -> str:
-        """One line stating the architecture, for reports."""
-        parts = [
-            f"{self.layers} layers",
-            f"hidden {self.hidden}",
-            f"ffn {self.ffn_hidden}{' (gated)' if self.gated_mlp else ''}",
-            f"{self.heads} heads ({self.kv_heads} kv)",
-            f"vocab {self.vocab}",
-        ]
-        if self.max_positions:
-            parts.append(f"{self.max_positions} learned positions")
-        if self.tied_embeddings:
-            parts.append("tied embeddings")
-        if self.bias:
-            parts.append("biases")
-        parts.append("LayerNorm" if self.layernorm else "RMSNorm")
-        return f"{self.name}: " + ", ".join(parts)
-
-
-def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, *, tied: bool = False) -> Architecture:
-    return Architecture(
-        name=name,
-        layers=layers,
-        hidden=hidden,
-        ffn_hidden=ffn,
-        heads=heads,
-        kv_heads=8,
-        vocab=128_256,
-        tied_embeddings=tied,
-        source="Meta Llama 3 model cards / config.json (GQA with 8 kv heads, SwiGLU, RMSNorm, RoPE)",
-    )
-
-
-def _gpt(name: str, layers: int, hidden: int, heads: int, positions: int, source: str) -> Architecture:
-    return Architecture(
-        name=name,
-        layers=layers,
-        hidden=hidden,
-        ffn_hidden=4 * hidden,
-        heads=heads,
-        kv_heads=heads,
-        vocab=50_257,
-        gated_mlp=False,
-        tied_embeddings=True,
-        bias=True,
-        layernorm=True,
-        max_positions=positions,
-        source=source,
-    )
-
-
-PRESETS: Mapping[str, Architecture] = {
-    a.name: a
-    for a in (
-        _llama("llama3.2-1b", 16, 2048, 8192, 32, tied=True),
-        _llama("llama3-8b", 32, 4096, 14_336, 32),
-        _llama("llama3-70b", 80, 8192, 28_672, 64),
-        _llama("llama3-405b", 126, 16_384, 53_248, 128),
-        _gpt("gpt2", 12, 768, 12, 1024, "GPT-2 small, Radford et al. 2019 / HF config"),
-        _gpt("gpt2-xl", 48, 1600, 25, 1024, "GPT-2 XL, Radford et al. 2019 / HF config"),
-        _gpt("gpt3-175b", 96, 12_288, 96, 2048, "GPT-3 175B, Brown et al. 2020, table 2.1"),
-    )
-}
-
-
-def get_preset(name: str) -> Architecture:
-    """Return the architecture preset called ``name`` (case-insensitive).
-
-    Raises:
-        ConfigError: unknown name; the message lists the known presets.
-    """
-    preset = PRESETS.get(name.strip().lower())
-    if preset is None:
-        raise ConfigError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
-    return preset
-
-
-# ------------------------------------------------------------------------------------------------- recipes
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StateComponent:
-    """One saved part of the training state, sized per parameter.
-
-    Attributes:
-        name: ``"weights"``, ``"grads"``, ``"master"``, or an optimizer moment (``"exp_avg"``...).
-        role: ``"weights"``, ``"grads"``, ``"master"`` or ``"moment"``; decides the ZeRO stage that shards it.
-        dtype: storage type, e.g. ``"bf16"``, or ``""`` when only the byte count is known.
-        bytes_per_param: bytes stored per model parameter.
-    """
-
-    name: str
-    role: str
-    dtype: str
-    bytes_per_param: float
-
-    def __post_init__(self) -> None:
-        if self.role not in _SHARDED_FROM:
-            raise ConfigError(f"component {self.name!r}: role must be one of {', '.join(_SHARDED_FROM)}")
-        if not (math.isfinite(self.bytes_per_param) and self.bytes_per_param > 0):
-            raise ConfigError(f"component {self.name!r}: bytes per parameter must be > 0, got {self.bytes_per_param}")
-
-    @property
-    def sharded_from_zero_stage(self) -> int:
-        """The lowest ZeRO stage that shards this component across data-parallel ranks."""
-        return _SHARDED_FROM[self.role]
-
-    @property
-    def label(self) -> str:
-        """``"weights (bf16)"``-style label for reports."""
-        return f"{self.name} ({self.dtype})" if self.dtype else self.name
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Recipe:
-    """What a checkpoint stores per parameter: a named list of :class:`StateComponent`.
-
-    Attributes:
-        name: recipe name, e.g. ``"bf16-adam-mixed"``.
-        components: the saved components, in report order.
-        description: one line saying when the recipe applies.
-    """
-
-    name: str
-    components: tuple[StateComponent, ...]
-    description: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.components:
-            raise ConfigError(f"recipe {self.name!r} has no components")
-        names = [c.name for c in self.components]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"recipe {self.name!r} names a component twice: {', '.join(names)}")
-
-    @property
-    def bytes_per_param(self) -> float:
-        """Sum of the components' bytes per parameter."""
-        return sum(c.bytes_per_param for c in self.components)
-
-    def describe(self) -> str:
-        """``"bf16-adam-mixed: weights (bf16) 2 + master (fp32) 4 + ... = 14 bytes/param"``."""
-        terms = " + ".join(f"{c.label} {_num(c.bytes_per_param)}" for c in self.components)
-        return f"{self.name}: {terms} = {_num(self.bytes_per_param)} bytes/param"
-
-
-def _component(name: str, role: str, dtype: str) -> StateComponent:
-    return StateComponent(name=name, role=role, dtype=dtype, bytes_per_param=DTYPE_BYTES[dtype])
-
-
-_ADAM = (_component("exp_avg", "moment", "fp32"), _component("exp_avg_sq", "moment", "fp32"))
-
-RECIPES: Mapping[str, Recipe] = {
-    r.name: r
-    for r in (
-        Recipe(
-            name="bf16-weights-only",
-            components=(_component("weights", "weights", "bf16"),),
-            description="weights only in bf16: an inference or export checkpoint",
-        ),
-        Recipe(
-            name="fp32-weights-only",
-            components=(_component("weights", "weights", "fp32"),),
-            description="weights only in fp32",
-        ),
-        Recipe(
-            name="fp32-adam",
-            components=(_component("weights", "weights", "fp32"), *_ADAM),
-            description="fp32 training with Adam: fp32 weights and two fp32 moments",
-        ),
-        Recipe(
-            name="bf16-adam-master",
-            components=(_component("master", "master", "fp32"), *_ADAM),
-            description=(
-                "bf16 mixed precision with Adam, saving the fp32 master weights and moments only "
-                "(the bf16 working copy is rebuilt from the master on restore)"
-            ),
-        ),
-        Recipe(
-            name="bf16-adam-mixed",
-            components=(
-                _component("weights", "weights", "bf16"),
-                _component("master", "master", "fp32"),
-                *_ADAM,
-            ),
-            description="bf16 mixed precision with Adam: bf16 weights, fp32 master weights, two fp32 moments",
-        ),
-        Recipe(
-            name="bf16-adam-mixed-grads",
-            components=(
-                _component("weights", "weights", "bf16"),
-                _component("grads", "grads", "bf16"),
-                _component("master", "master", "fp32"),
-                *_ADAM,
-            ),
-            description="bf16-adam-mixed plus bf16 gradients: the 16 bytes/param the ZeRO paper counts in memory",
-        ),
-    )
-}
-
-_CUSTOM_KEYS = ("weights", "grads", "master", "moments")
-
-
-def get_recipe(spec: str | Recipe) -> Recipe:
-    """Return a precision recipe by name, or build one from a spec.
-
-    A spec names bytes or dtypes per component, e.g. ``"weights=bf16,master=fp32,moments=fp32+fp32"`` or
-    ``"weights=2,moments=1+1"`` (two 8-bit moments). Keys are ``weights``, ``grads``, ``master`` and
-    ``moments`` (``+`` separates moments); values are a dtype (``fp32``, ``bf16``, ``fp16``, ``fp8``,
-    ``int8``, ``int4``) or a number of bytes.
-
-    Raises:
-        ConfigError: unknown name (the message lists the presets), or a malformed spec.
-    """
-    if isinstance(spec, Recipe):
-        return spec
-    text = spec.strip()
-    preset = RECIPES.get(text.lower())
-    if preset is not None:
-        return preset
-    if "=" not in text:
-        raise ConfigError(
-            f"unknown recipe {spec!r}; known recipes: {', '.join(RECIPES)}; "
-            "or give a spec such as 'weights=bf16,master=fp32,moments=fp32+fp32'"
-        )
-    components: list[StateComponent] = []
-    seen: set[str] = set()
-    for item in text.split(","):
-        key, _, value = item.partition("=")
-        key = key.strip().lower()
-        if key not in _CUSTOM_KEYS or not value.strip():
-            raise ConfigError(f"recipe spec {spec!r}: expected KEY=VALUE with KEY in {', '.join(_CUSTOM_KEYS)}")
-        if key in seen:
-            raise ConfigError(f"recipe spec {spec!r}: {key} given twice")
-        seen.add(key)
-        if key == "moments":
-            for i, part in enumerate(value.split("+"), start=1):
-                dtype, size = _parse_dtype_or_bytes(part, spec)
-                components.append(StateComponent(name=f"moment{i}", role="moment", dtype=dtype, bytes_per_param=size))
-        else:
-            dtype, size = _parse_dtype_or_bytes(value, spec)
-            components.append(StateComponent(name=key, role=key, dtype=dtype, bytes_per_param=size))
-    return Recipe(name="custom", components=tuple(components), description=f"custom recipe {text}")
-
-
-def _parse_dtype_or_bytes(value: str, spec: str) -> tuple[str, float]:
-    token = value.strip().lower()
-    if token in DTYPE_BYTES:
-        return token, DTYPE_BYTES[token]
-    try:
-        size = float(token)
-    except ValueError:
-        raise ConfigError(
-            f"recipe spec {spec!r}: {value.strip()!r} is neither a dtype ({', '.join(DTYPE_BYTES)}) "
-            "nor a number of bytes"
-        ) from None
-    if not (math.isfinite(size) and size > 0):
-        raise ConfigError(f"recipe spec {spec!r}: bytes per parameter must be > 0, got {value.strip()}")
-    return "", size
-
-
-# ------------------------------------------------------------------------------------------------- layout
+__all__ = ["CheckpointSize", "ComponentSize", "MeasuredState", "Parallelism", "checkpoint_size", "measure_state"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -464,7 +55,7 @@ class Parallelism:
 
     def __post_init__(self) -> None:
         for attr in ("tp", "pp", "dp"):
-            _require_positive_int(attr, getattr(self, attr))
+            require_count(attr, getattr(self, attr))
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3 (FSDP = 3), got {self.zero_stage!r}")
 
@@ -475,9 +66,9 @@ class Parallelism:
         Raises:
             ConfigError: ``tp * pp`` does not divide ``world_size``.
         """
-        _require_positive_int("tp", tp)
-        _require_positive_int("pp", pp)
-        _require_positive_int("world_size", world_size)
+        require_count("tp", tp)
+        require_count("pp", pp)
+        require_count("world_size", world_size)
         if world_size % (tp * pp):
             raise ConfigError(
                 f"tp={tp} x pp={pp} = {tp * pp} does not divide the {world_size} ranks "
@@ -584,7 +175,7 @@ def checkpoint_size(
         arch = get_preset(model) if isinstance(model, str) else model
         params = arch.param_count
     else:
-        _require_positive_int("parameter count", model)  # also rejects bool and float
+        require_count("parameter count", model)  # also rejects bool and float
         arch, params = None, model
 
     assumptions = [
@@ -749,6 +340,3 @@ def _describe_leaf(leaf: Any) -> tuple[int, int, str, tuple[Any, ...]]:
     address = int(interface["data"][0]) if isinstance(interface, dict) else 0
     key = ("addr", address, nbytes) if address else ("id", id(leaf))
     return count, nbytes, str(leaf.dtype), key
-
-
-# -------------------------------------------------------------------------------------------- quantities
