@@ -46,10 +46,10 @@ from .engine.pool import DaemonThreadPool
 from .errors import CheckpointNotFoundError, ClosedError, ConfigError, SaveError, TiersaveWarning
 from .format.layout import MAX_CHUNK_BYTES
 from .handle import SaveHandle
+from .planner.schedule import SaveCost, Schedule, parse_schedule
 from .policy import RetentionPolicy
 from .restore import RestoreReport, restore_from
 from .saving import PendingSave, Saver, SaveRequest
-from .schedule import SaveCost, Schedule, parse_schedule
 from .storage.base import Storage
 from .tiers import Tier, TierChain, to_policy
 

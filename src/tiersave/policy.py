@@ -3,7 +3,7 @@
 Scope: small frozen dataclasses (orbax ``preservation_policy`` style) that look at a list of checkpoint
 infos (step, created_at, metrics, tags) and name the steps they keep, a union of them, the protection
 rules that always win, and a parser for the CLI spec. Anti-scope: listing and deleting (the caller does it
-with ``Catalog``), when to save (``tiersave.schedule``), torch.
+with ``Catalog``), when to save (``tiersave.planner.schedule``), torch.
 
 Example::
 

@@ -266,7 +266,9 @@ def test_plot_without_matplotlib_names_the_extra(
 def test_plan_starts_without_torch_or_numpy() -> None:
     script = (
         "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
-        "import tiersave.sizing, tiersave.schedule\n"
+        "import tiersave.planner.architecture, tiersave.planner.recipes, tiersave.planner.sizing\n"
+        "import tiersave.planner.failures, tiersave.planner.interval\n"
+        "import tiersave.planner.bandwidth, tiersave.planner.schedule\n"
         "from tiersave.cli import main\n"
         f"code = main({[*LITERATURE, '--json']!r})\n"
         "loaded = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'matplotlib')"

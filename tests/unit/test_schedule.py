@@ -10,24 +10,10 @@ from collections.abc import Callable
 import pytest
 
 from tiersave.errors import ConfigError
-from tiersave.schedule import (
-    AutoSchedule,
-    Component,
-    EveryNSteps,
-    EverySeconds,
-    FailureModel,
-    SaveCost,
-    Schedule,
-    TierSpec,
-    cluster_mttf_s,
-    daly_interval_s,
-    expected_goodput,
-    parse_schedule,
-    plan_bandwidth,
-    plan_interval,
-    tier_every_for,
-    young_interval_s,
-)
+from tiersave.planner.bandwidth import TierSpec, plan_bandwidth, tier_every_for
+from tiersave.planner.failures import Component, FailureModel, cluster_mttf_s
+from tiersave.planner.interval import daly_interval_s, expected_goodput, plan_interval, young_interval_s
+from tiersave.planner.schedule import AutoSchedule, EveryNSteps, EverySeconds, SaveCost, Schedule, parse_schedule
 from tiersave.units import format_duration, parse_duration
 
 HOUR = 3600.0
@@ -478,8 +464,8 @@ def test_parse_schedule_rejects(spec: object, message: str) -> None:
 
 
 def test_docstring_examples_run() -> None:
-    import tiersave.schedule
+    from tiersave.planner import bandwidth, failures, interval, schedule
 
-    result = doctest.testmod(tiersave.schedule)
-    assert result.attempted >= 8
-    assert result.failed == 0
+    results = [doctest.testmod(module) for module in (failures, interval, bandwidth, schedule)]
+    assert sum(r.attempted for r in results) >= 8
+    assert sum(r.failed for r in results) == 0

@@ -7,16 +7,9 @@ import doctest
 import pytest
 
 from tiersave.errors import ConfigError
-from tiersave.sizing import (
-    PRESETS,
-    RECIPES,
-    Architecture,
-    Parallelism,
-    checkpoint_size,
-    get_preset,
-    get_recipe,
-    measure_state,
-)
+from tiersave.planner.architecture import PRESETS, Architecture, get_preset
+from tiersave.planner.recipes import RECIPES, get_recipe
+from tiersave.planner.sizing import Parallelism, checkpoint_size, measure_state
 from tiersave.units import format_si_bytes, parse_bytes, parse_count
 
 GiB = 2**30
@@ -318,8 +311,8 @@ def test_measure_real_model_and_optimizer_state(torch) -> None:
 
 
 def test_docstring_examples_run() -> None:
-    import tiersave.sizing
+    import tiersave.planner.sizing
 
-    result = doctest.testmod(tiersave.sizing)
+    result = doctest.testmod(tiersave.planner.sizing)
     assert result.attempted >= 3
     assert result.failed == 0

@@ -1,6 +1,6 @@
 """``tiersave bench``: a checkpoint storage benchmark in the spirit of MLPerf Storage's checkpointing workload.
 
-A GPT-like state (fp32 weights and Adam moments, shapes from a :mod:`tiersave.sizing` preset scaled to a
+A GPT-like state (fp32 weights and Adam moments, shapes from a :mod:`tiersave.planner.architecture` preset scaled to a
 size) is saved N times until durable and loaded back from a cold page cache by tiersave in each I/O mode
 and by the peers (``torch.save``/``torch.load``, safetensors, ``torch.distributed.checkpoint`` save, load
 and async_save), next to the device's raw direct-I/O limits measured in the same run on the same

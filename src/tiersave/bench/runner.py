@@ -46,7 +46,7 @@ class BenchConfig:
     Attributes:
         directory: where checkpoints go (on the file system under test); created, and emptied at the end
             unless ``keep``.
-        model: a :mod:`tiersave.sizing` preset whose shapes the state imitates.
+        model: a :mod:`tiersave.planner.architecture` preset whose shapes the state imitates.
         size_bytes: the state's size (weights + two Adam moments, fp32).
         checkpoints: timed rounds of save + load per method.
         warmup: untimed rounds first (a job's first save allocates what later saves reuse: staging
