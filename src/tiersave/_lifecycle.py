@@ -1,8 +1,8 @@
 """Process exit and SIGTERM: finish the in-flight save, or say clearly that it did not finish.
 
-Every open Checkpointer is registered (weakly). At interpreter exit, and on SIGTERM when enabled, each
-one's ``_exit_hook`` waits (bounded by its ``exit_timeout_s``) for its in-flight save and writes one line
-to stderr if the save could not finish or failed; an unfinished save is never half-visible, it is simply
+Every open Checkpointer is registered (weakly). At interpreter exit, and on SIGTERM when enabled, the hook
+of each one (:func:`finish_or_report`) waits (bounded by its ``exit_timeout_s``) for its in-flight save and
+writes one line to stderr if the save could not finish or failed; an unfinished save is never half-visible, it is simply
 not committed. Background threads are daemons, so a stuck write cannot hang the exit itself.
 
 The SIGTERM handler is installed once, only from the main thread. It chains to a handler that was
@@ -15,14 +15,38 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
 import threading
 import weakref
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol
 
 
+class _Save(Protocol):
+    """What the hook reads of a save handle."""
+
+    @property
+    def step(self) -> int: ...
+    def done(self) -> bool: ...
+    def exception(self) -> BaseException | None: ...
+    def _unobserved_error(self) -> BaseException | None: ...
+
+
+@dataclass(frozen=True)
+class ExitState:
+    """A registered object's state at exit: where it saves, the step being staged (if the caller's thread is
+    inside ``save``), the in-flight save, and how long to wait for it."""
+
+    uri: str
+    staging_step: int | None
+    inflight: _Save | None
+    timeout_s: float
+
+
 class _Hooked(Protocol):
-    def _exit_hook(self, reason: str) -> None: ...
+    def _exit_state(self) -> ExitState | None: ...
+    def wait(self, timeout: float | None = None, *, raise_errors: bool = True) -> bool: ...
 
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -53,9 +77,35 @@ def _run_hooks(reason: str) -> None:
         live = list(_live)
     for obj in live:
         try:
-            obj._exit_hook(reason)
+            finish_or_report(obj, reason)
         except Exception as exc:  # never let one checkpointer's problem stop the others' hooks
             os.write(2, f"tiersave: exit hook failed: {exc}\n".encode())
+
+
+def finish_or_report(obj: _Hooked, reason: str) -> None:
+    """Finish ``obj``'s in-flight save (bounded wait), or say on stderr that it did not finish or failed."""
+    state = obj._exit_state()
+    if state is None:
+        return
+    pending = state.inflight
+    if state.staging_step is not None:
+        sys.stderr.write(
+            f"tiersave: {reason} while staging step {state.staging_step}; that save is abandoned and not "
+            f"visible (the newest checkpoint in {state.uri} is unchanged)\n"
+        )
+        return
+    if pending is not None and not pending.done():
+        sys.stderr.write(
+            f"tiersave: {reason}: finishing the save of step {pending.step} (up to {state.timeout_s:.0f} s)\n"
+        )
+    if not obj.wait(state.timeout_s, raise_errors=False):
+        sys.stderr.write(
+            f"tiersave: the save of step {pending.step if pending else '?'} did not finish within "
+            f"{state.timeout_s:.0f} s; it is not visible (the newest checkpoint is the previous one)\n"
+        )
+        return
+    if pending is not None and pending._unobserved_error() is not None:
+        sys.stderr.write(f"tiersave: the save of step {pending.step} FAILED: {pending.exception()}\n")
 
 
 def _install_sigterm() -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import builtins
 import os
-import sys
 import threading
 import time
 import warnings
@@ -214,30 +213,11 @@ class Checkpointer:
                 raise err
         return True
 
-    def _exit_hook(self, reason: str) -> None:
-        """Called at interpreter exit or on SIGTERM: finish the in-flight save or say it did not finish."""
+    def _exit_state(self) -> _lifecycle.ExitState | None:
+        """What the exit hook needs to finish or report the in-flight save; None once closed."""
         if self._closed:
-            return
-        pending = self._inflight
-        staging = self._saver.staging_step
-        if staging is not None:
-            sys.stderr.write(
-                f"tiersave: {reason} while staging step {staging}; that save is abandoned and not "
-                f"visible (the newest checkpoint in {self.storage.uri} is unchanged)\n"
-            )
-            return
-        if pending is not None and not pending.done():
-            sys.stderr.write(
-                f"tiersave: {reason}: finishing the save of step {pending.step} (up to {self.exit_timeout_s:.0f} s)\n"
-            )
-        if not self.wait(self.exit_timeout_s, raise_errors=False):
-            sys.stderr.write(
-                f"tiersave: the save of step {pending.step if pending else '?'} did not finish within "
-                f"{self.exit_timeout_s:.0f} s; it is not visible (the newest checkpoint is the previous one)\n"
-            )
-            return
-        if pending is not None and pending._unobserved_error() is not None:
-            sys.stderr.write(f"tiersave: the save of step {pending.step} FAILED: {pending.exception()}\n")
+            return None
+        return _lifecycle.ExitState(self.storage.uri, self._saver.staging_step, self._inflight, self.exit_timeout_s)
 
     # -- listing ----------------------------------------------------------------------------------
 
