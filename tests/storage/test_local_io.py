@@ -22,13 +22,12 @@ import torch
 
 from helpers import assert_same
 from tiersave import Checkpointer
-from tiersave.engine.buffers import aligned_buffer
-from tiersave.engine.directio import refuse_direct_io
-from tiersave.engine.hybrid import Calibration, forget_calibrations
 from tiersave.errors import CorruptCheckpointError, FormatError, StorageError
 from tiersave.format.layout import align_up
-from tiersave.storage import local
-from tiersave.storage.local import LocalStorage, filesystem_type
+from tiersave.storage.posix import LocalStorage, filesystem_type, local
+from tiersave.storage.posix.buffers import aligned_buffer
+from tiersave.storage.posix.directio import refuse_direct_io
+from tiersave.storage.posix.policy import Calibration, forget_calibrations
 
 SIZES = [0, 1, 4095, 4096, 4097, 3 * 4096 + 1, (1 << 20) + 4097]
 MODES = ["direct", "buffered", "auto"]

@@ -29,7 +29,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import ConfigError
-from ..storage.local import filesystem_type
+from ..storage.posix import filesystem_type
 from .device import RawResult, evict, measure_raw
 from .workload import StateSpec, gpt_like_spec
 
@@ -242,7 +242,7 @@ def run_bench(config: BenchConfig, *, progress: ProgressFn | None = None) -> Ben
         ConfigError: bad configuration, not enough disk or memory.
         BackendUnavailableError: a requested peer's package is missing.
     """
-    from ..engine.hybrid import Calibration, calibration_for
+    from ..storage.posix.policy import Calibration, calibration_for
     from .methods import Method, TiersaveMethod, make_peer
     from .workload import build_state, empty_like_state
 

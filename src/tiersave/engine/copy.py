@@ -36,7 +36,7 @@ from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.layout import MANIFEST_NAME, shard_filename, step_dirname
 from ..format.manifest import Manifest, ShardInfo
 from ..storage.base import BlobReader, BlobWriter, Storage
-from .buffers import aligned_buffer
+from ..storage.posix.buffers import aligned_buffer
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Scope: the ``io="auto" | "direct" | "buffered"`` choice for each read or write a storage backend issues;
 a short calibration that measures direct and buffered throughput once per file system and caches it on
 disk; statistics of what each path moved and why. Anti-scope: the system calls themselves
-(:mod:`tiersave.engine.directio`), durability (the storage ``fsync``-s), chunking and threads
+(:mod:`tiersave.storage.posix.directio`), durability (the storage ``fsync``-s), chunking and threads
 (:mod:`tiersave.engine.pipeline`, :mod:`tiersave.engine.reader`).
 
 Decision rules of :meth:`IOPolicy.decide`, first match wins (``Decision.reason`` names the rule):
@@ -62,9 +62,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import ConfigError
-from ..format.layout import new_token
-from ..knobs import int_env  # one parser for every TIERSAVE_* integer
+from ...errors import ConfigError
+from ...format.layout import new_token
+from ...knobs import int_env  # one parser for every TIERSAVE_* integer
 from .buffers import address_of, aligned_buffer
 from .directio import DEFAULT_BLOCK_BYTES, open_direct
 

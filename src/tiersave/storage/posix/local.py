@@ -6,7 +6,7 @@ create-only) and an ``fsync`` of the directory. Reads never follow a symbolic li
 and refuse anything that is not a regular file.
 
 Shard writers and readers choose direct or buffered I/O per request (``io=`` option, ``TIERSAVE_IO``;
-rules in :mod:`tiersave.engine.hybrid`, mechanics in :mod:`tiersave.engine.directio`). A writer opens
+rules in :mod:`tiersave.storage.posix.policy`, mechanics in :mod:`tiersave.storage.posix.directio`). A writer opens
 the new file once buffered (``O_EXCL``) and once more with ``O_DIRECT``; a file system that refuses
 ``O_DIRECT`` gets buffered I/O, never an error. O_DIRECT is not durability: ``finish`` always
 ``fsync``-s. Whole objects (``put``/``get``: manifests) are small and always buffered.
@@ -27,9 +27,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .._crash import crashpoint
-from ..engine.buffers import address_of
-from ..engine.directio import (
+from ..._crash import crashpoint
+from ...errors import (
+    AlreadyExistsError,
+    ConfigError,
+    CorruptCheckpointError,
+    FormatError,
+    ObjectNotFoundError,
+    StorageError,
+    storage_error_from_os,
+)
+from ...format.layout import new_token
+from ..base import ObjectInfo, PutMode, StorageCapabilities, check_key
+from .buffers import address_of
+from .directio import (
     BouncePool,
     DioAlignment,
     PartialBlocks,
@@ -41,7 +52,7 @@ from ..engine.directio import (
     pwrite_direct,
     split_aligned,
 )
-from ..engine.hybrid import (
+from .policy import (
     Calibration,
     Decision,
     IOMode,
@@ -52,17 +63,6 @@ from ..engine.hybrid import (
     io_mode_from_env,
     parse_io_mode,
 )
-from ..errors import (
-    AlreadyExistsError,
-    ConfigError,
-    CorruptCheckpointError,
-    FormatError,
-    ObjectNotFoundError,
-    StorageError,
-    storage_error_from_os,
-)
-from ..format.layout import new_token
-from .base import ObjectInfo, PutMode, StorageCapabilities, check_key
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +147,10 @@ class LocalStorage:
     Args:
         root: the directory (created if missing and ``create``).
         create: create a missing root (False: raise ``ObjectNotFoundError``).
-        io: ``"auto"`` (per request, see :mod:`tiersave.engine.hybrid`), ``"direct"`` or ``"buffered"``;
+        io: ``"auto"`` (per request, see :mod:`tiersave.storage.posix.policy`), ``"direct"`` or ``"buffered"``;
             None reads ``TIERSAVE_IO`` (default auto). Auto is buffered on tmpfs/ramfs.
         min_direct_bytes: auto sends smaller requests buffered (default ``TIERSAVE_DIRECT_MIN_BYTES``).
-        calibration: a fixed :class:`~tiersave.engine.hybrid.Calibration` for auto (None: measured once
+        calibration: a fixed :class:`~tiersave.storage.posix.policy.Calibration` for auto (None: measured once
             per file system and cached).
 
     Attributes:
@@ -402,7 +402,7 @@ class LocalBlobWriter:
     Each ``write_at`` splits its range at the file's direct-I/O block size: whole blocks go direct (in
     place when the source address allows, else through a bounce buffer) or buffered as the policy
     decides; the unaligned edges are merged into zero-filled blocks written at ``finish`` (see
-    :class:`~tiersave.engine.directio.PartialBlocks` for why that gives the same bytes). Once more than
+    :class:`~tiersave.storage.posix.directio.PartialBlocks` for why that gives the same bytes). Once more than
     ``_MAX_PENDING_BYTES`` of edges are pending, they and every later edge go buffered instead, which keeps
     memory bounded for writers that send many tiny pieces.
 

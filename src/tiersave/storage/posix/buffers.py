@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format.layout import ALIGN
+from ...format.layout import ALIGN
 
 
 def address_of(view: memoryview) -> int:
