@@ -22,7 +22,7 @@ TINY = ["--size", "2MB", "--checkpoints", "1", "--warmup", "0", "--no-drop-cache
 
 @pytest.fixture(autouse=True)
 def private_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiersave.storage.posix.policy import forget_calibrations
+    from tiersave.storage.posix.calibration import forget_calibrations
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     monkeypatch.setenv("TIERSAVE_IO_CALIBRATION_BYTES", str(4 << 20))  # a quick calibration

@@ -26,8 +26,8 @@ from tiersave.errors import CorruptCheckpointError, FormatError, StorageError
 from tiersave.format.layout import align_up
 from tiersave.storage.posix import LocalStorage, filesystem_type, local
 from tiersave.storage.posix.buffers import aligned_buffer
+from tiersave.storage.posix.calibration import Calibration, forget_calibrations
 from tiersave.storage.posix.directio import refuse_direct_io
-from tiersave.storage.posix.policy import Calibration, forget_calibrations
 
 SIZES = [0, 1, 4095, 4096, 4097, 3 * 4096 + 1, (1 << 20) + 4097]
 MODES = ["direct", "buffered", "auto"]

@@ -1,4 +1,4 @@
-"""storage.posix.policy: the auto policy's decision for every documented case, knobs, statistics, and the
+"""storage.posix.policy and .calibration: the auto policy's decision for every documented case, knobs, statistics, and the
 calibration (measured for real on a small size, cached per file system under $XDG_CACHE_HOME)."""
 
 from __future__ import annotations
@@ -14,21 +14,18 @@ import pytest
 
 from tiersave import knobs
 from tiersave.errors import ConfigError
+from tiersave.storage.posix import calibration as io_calibration
 from tiersave.storage.posix import filesystem_type
 from tiersave.storage.posix import policy as io_policy
-from tiersave.storage.posix.directio import refuse_direct_io
-from tiersave.storage.posix.policy import (
+from tiersave.storage.posix.calibration import (
     Calibration,
-    IOMode,
-    IOPolicy,
-    IOStats,
     cache_path,
     calibrate,
     calibration_for,
     forget_calibrations,
-    io_mode_from_env,
-    parse_io_mode,
 )
+from tiersave.storage.posix.directio import refuse_direct_io
+from tiersave.storage.posix.policy import IOMode, IOPolicy, IOStats, io_mode_from_env, parse_io_mode
 
 MiB = 1 << 20
 
@@ -83,10 +80,10 @@ def test_env_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
         io_policy.bounce_bytes()
     for raw, expected in (("1", "on"), ("off", "off"), ("refresh", "refresh")):
         monkeypatch.setenv("TIERSAVE_IO_CALIBRATE", raw)
-        assert io_policy.calibration_setting() == expected
+        assert io_calibration.calibration_setting() == expected
     monkeypatch.setenv("TIERSAVE_IO_CALIBRATE", "maybe")
     with pytest.raises(ConfigError, match="TIERSAVE_IO_CALIBRATE"):
-        io_policy.calibration_setting()
+        io_calibration.calibration_setting()
 
 
 def test_override_env_restores_the_previous_value(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -268,9 +265,9 @@ def test_calibration_is_measured_once_then_cached_on_disk(
 
     def fake(directory: Path, *, fstype: str = "", **_: object) -> Calibration:
         calls.append(Path(directory))
-        return Calibration(io_policy.fs_key(directory, fstype), 2.0, 0.3, 1.8, 1.2, 10.0, MiB, 4, 1.0)
+        return Calibration(io_calibration.fs_key(directory, fstype), 2.0, 0.3, 1.8, 1.2, 10.0, MiB, 4, 1.0)
 
-    monkeypatch.setattr(io_policy, "calibrate", fake)
+    monkeypatch.setattr(io_calibration, "calibrate", fake)
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     assert calibration_for(data_dir, "ext4", measure=False) is None
@@ -307,5 +304,5 @@ def test_unwritable_cache_is_not_an_error(tmp_path: Path, monkeypatch: pytest.Mo
     blocker = tmp_path / "file-not-dir"
     blocker.write_text("x")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
-    io_policy._store_cache(cal())  # logs at debug level, raises nothing
-    assert io_policy._load_cache() == {}
+    io_calibration._store_cache(cal())  # logs at debug level, raises nothing
+    assert io_calibration._load_cache() == {}

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..storage.posix.buffers import aligned_buffer
+from ..storage.posix.calibration import ThreadBuffers, run_blocks
 from ..storage.posix.directio import open_direct
-from ..storage.posix.policy import ThreadBuffers, run_blocks
 
 __all__ = ["RawResult", "evict", "measure_raw"]
 

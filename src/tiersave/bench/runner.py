@@ -242,7 +242,7 @@ def run_bench(config: BenchConfig, *, progress: ProgressFn | None = None) -> Ben
         ConfigError: bad configuration, not enough disk or memory.
         BackendUnavailableError: a requested peer's package is missing.
     """
-    from ..storage.posix.policy import Calibration, calibration_for
+    from ..storage.posix.calibration import Calibration, calibration_for
     from .methods import Method, TiersaveMethod, make_peer
     from .workload import build_state, empty_like_state
 

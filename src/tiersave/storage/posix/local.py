@@ -40,6 +40,7 @@ from ...errors import (
 from ...format.layout import new_token
 from ..base import ObjectInfo, PutMode, StorageCapabilities, check_key
 from .buffers import address_of
+from .calibration import Calibration
 from .directio import (
     BouncePool,
     DioAlignment,
@@ -53,7 +54,6 @@ from .directio import (
     split_aligned,
 )
 from .policy import (
-    Calibration,
     Decision,
     IOMode,
     IOPolicy,
