@@ -1,5 +1,5 @@
-"""storage.posix.policy and .calibration: the auto policy's decision for every documented case, knobs, statistics, and the
-calibration (measured for real on a small size, cached per file system under $XDG_CACHE_HOME)."""
+"""storage.posix.policy and .calibration: the auto policy's decision for every documented case, knobs,
+statistics, and the calibration (measured for real on a small size, cached per file system under $XDG_CACHE_HOME)."""
 
 from __future__ import annotations
 

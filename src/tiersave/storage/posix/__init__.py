@@ -11,6 +11,8 @@ backend (:mod:`tiersave.storage.memory`).
 
 from __future__ import annotations
 
-from .local import LocalBlobReader, LocalBlobWriter, LocalStorage, filesystem_type
+from .blobs import LocalBlobReader, LocalBlobWriter
+from .files import filesystem_type
+from .local import LocalStorage
 
 __all__ = ["LocalBlobReader", "LocalBlobWriter", "LocalStorage", "filesystem_type"]
