@@ -199,6 +199,16 @@ def test_check_flag_fails_on_a_missed_target(
     assert run(capsys, "bench", str(tmp_path), "--quiet", "--check")[0] == 1
 
 
+def test_help_points_at_the_benchmarks_doc_that_explains_the_targets(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "bench", "--help")
+    assert code == 0
+    text = " ".join(out.split())
+    assert "docs/benchmarks.md" in text and "DESIGN.md" not in text
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    for _, what, _ in TARGETS:  # the doc the help cites lists every target the report checks
+        assert what in doc
+
+
 def test_cli_module_imports_without_torch() -> None:
     code = "import sys, tiersave.cli.bench_cmd, tiersave.bench; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -14,7 +14,7 @@ import multiprocessing as mp
 import time
 from typing import Any
 
-from .runner import BenchConfig
+from .config import BenchConfig
 
 __all__ = ["run_ranks"]
 
