@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from tiersave.bench.device import evict, measure_raw
-from tiersave.engine.buffers import aligned_buffer
-from tiersave.storage.local import LocalStorage
+from tiersave.storage.posix import LocalStorage
+from tiersave.storage.posix.buffers import aligned_buffer
 from tiersave.units import parse_bytes
 
 UNIT = 64 << 20

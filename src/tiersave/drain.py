@@ -31,12 +31,12 @@ from typing import Any, Literal
 from . import knobs
 from .catalog import Catalog
 from .commit import commit_for
-from .engine.buffers import aligned_buffer
 from .errors import AlreadyExistsError, ConfigError, CorruptCheckpointError
 from .format.checksum import chunk_ranges, crc32c_hex
 from .format.layout import MANIFEST_NAME, shard_filename, step_dirname
 from .format.manifest import Manifest, ShardInfo
 from .storage.base import BlobReader, BlobWriter, Storage
+from .storage.posix.buffers import aligned_buffer
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ TINY = ["--size", "2MB", "--checkpoints", "1", "--warmup", "0", "--no-drop-cache
 
 @pytest.fixture(autouse=True)
 def private_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiersave.engine.hybrid import forget_calibrations
+    from tiersave.storage.posix.calibration import forget_calibrations
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     monkeypatch.setenv("TIERSAVE_IO_CALIBRATION_BYTES", str(4 << 20))  # a quick calibration
@@ -197,6 +197,16 @@ def test_check_flag_fails_on_a_missed_target(
     monkeypatch.setattr(tiersave.bench, "run_bench", lambda config, progress=None: Fake())
     assert run(capsys, "bench", str(tmp_path), "--quiet")[0] == 0
     assert run(capsys, "bench", str(tmp_path), "--quiet", "--check")[0] == 1
+
+
+def test_help_points_at_the_benchmarks_doc_that_explains_the_targets(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "bench", "--help")
+    assert code == 0
+    text = " ".join(out.split())
+    assert "docs/benchmarks.md" in text and "DESIGN.md" not in text
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    for _, what, _ in TARGETS:  # the doc the help cites lists every target the report checks
+        assert what in doc
 
 
 def test_cli_module_imports_without_torch() -> None:

@@ -169,7 +169,7 @@ for argv in (['ls', {str(populated)!r}], ['inspect', {str(populated)!r}], ['veri
     except SystemExit as e:
         rc = e.code
     assert rc == 0, (argv, rc)
-import tiersave.format.manifest, tiersave.storage.local, tiersave.catalog, tiersave.export
+import tiersave.format.manifest, tiersave.storage.posix, tiersave.catalog, tiersave.export
 print('ok')
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

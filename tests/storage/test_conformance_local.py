@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiersave.storage.local import LocalStorage
+from tiersave.storage.posix import LocalStorage
 from tiersave.testing.conformance import StorageConformanceTests
 
 

@@ -16,8 +16,8 @@ from tiersave.commit import MarkerCommit
 from tiersave.drain import copy_checkpoint, copy_checkpoints, same_checkpoint
 from tiersave.errors import AlreadyExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from tiersave.format.layout import step_dirname
-from tiersave.storage.local import LocalStorage
 from tiersave.storage.memory import MemoryStorage
+from tiersave.storage.posix import LocalStorage
 from tiersave.testing.faults import Fault, FaultyStorage
 
 

@@ -22,13 +22,12 @@ import torch
 
 from helpers import assert_same
 from tiersave import Checkpointer
-from tiersave.engine.buffers import aligned_buffer
-from tiersave.engine.directio import refuse_direct_io
-from tiersave.engine.hybrid import Calibration, forget_calibrations
 from tiersave.errors import CorruptCheckpointError, FormatError, StorageError
 from tiersave.format.layout import align_up
-from tiersave.storage import local
-from tiersave.storage.local import LocalStorage, filesystem_type
+from tiersave.storage.posix import LocalStorage, blobs, filesystem_type, local
+from tiersave.storage.posix.buffers import aligned_buffer
+from tiersave.storage.posix.calibration import Calibration, forget_calibrations
+from tiersave.storage.posix.directio import refuse_direct_io
 
 SIZES = [0, 1, 4095, 4096, 4097, 3 * 4096 + 1, (1 << 20) + 4097]
 MODES = ["direct", "buffered", "auto"]
@@ -171,7 +170,7 @@ def test_concurrent_disjoint_writes_equal_a_buffered_write(tmp_path: Path, mode:
 
 
 def test_many_tiny_edges_switch_to_buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(local, "_MAX_PENDING_BYTES", 3 * 4096)
+    monkeypatch.setattr(blobs, "_MAX_PENDING_BYTES", 3 * 4096)
     storage = LocalStorage(tmp_path, io="direct")
     writer = storage.open_writer("f")
     expected = bytearray(20 * 4096)
@@ -194,7 +193,7 @@ def test_direct_write_refused_midway_falls_back_to_buffered(tmp_path: Path, monk
     def refuse(*args: object, **kwargs: object) -> bool:
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(local, "pwrite_direct", refuse)
+    monkeypatch.setattr(blobs, "pwrite_direct", refuse)
     data = payload(5 * 4096 + 3)
     writer.write_at(0, buffer(data, True))
     writer.finish(len(data))
@@ -213,7 +212,7 @@ def test_direct_read_refused_midway_falls_back_to_buffered(tmp_path: Path, monke
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
     with storage.open_reader("f") as reader:
-        monkeypatch.setattr(local, "pread_direct", refuse)
+        monkeypatch.setattr(blobs, "pread_direct", refuse)
         out = buffer(len(data), True)
         reader.read_into(0, out)
         assert bytes(out) == data
@@ -227,7 +226,7 @@ def test_a_real_direct_write_error_is_raised_not_hidden(tmp_path: Path, monkeypa
     def fail(*args: object, **kwargs: object) -> bool:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(local, "pwrite_direct", fail)
+    monkeypatch.setattr(blobs, "pwrite_direct", fail)
     with pytest.raises(StorageError, match="Input/output error"):
         writer.write_at(0, buffer(4096, True))
     assert not storage.io_policy.refused

@@ -26,7 +26,7 @@ from tiersave.commit import MarkerCommit, attempt_dirname
 from tiersave.drain import copy_checkpoint
 from tiersave.errors import AlreadyExistsError, StorageError, TransientStorageError
 from tiersave.format.layout import step_dirname
-from tiersave.storage.local import LocalStorage
+from tiersave.storage.posix import LocalStorage
 from tiersave.storage.s3 import S3Storage
 from tiersave.testing.seaweed import FaultProxy, SeaweedServer
 

@@ -20,8 +20,8 @@ import torch
 
 import tiersave
 from helpers import S3_TEST_OPTIONS, assert_same
-from tiersave.storage.local import LocalStorage
 from tiersave.storage.memory import MemoryStorage
+from tiersave.storage.posix import LocalStorage
 from tiersave.testing.faults import Fault, FaultyStorage
 from tiersave.tiers import Tier
 

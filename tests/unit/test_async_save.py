@@ -19,7 +19,7 @@ import tiersave
 from helpers import assert_same, listing
 from tiersave.errors import StorageError
 from tiersave.events import read_events
-from tiersave.storage.local import LocalStorage
+from tiersave.storage.posix import LocalStorage
 from tiersave.testing.faults import Fault, FaultyStorage
 
 
@@ -190,7 +190,7 @@ def _run_script(tmp_path, body: str, *, sigterm_after: float | None = None) -> s
 
 SLOW_SAVE = textwrap.dedent("""
     import sys, torch, tiersave
-    from tiersave.storage.local import LocalStorage
+    from tiersave.storage.posix import LocalStorage
     from tiersave.testing.faults import FaultyStorage
     storage = FaultyStorage(LocalStorage({root!r}), delays={{"finish": 1.0}})
     ckpt = tiersave.Checkpointer(storage, exit_timeout_s=30)
@@ -237,7 +237,7 @@ def test_sigterm_chains_to_the_previous_handler(tmp_path, root):
 def test_a_failed_background_save_is_reported_at_exit(tmp_path, root):
     body = textwrap.dedent("""
     import torch, tiersave
-    from tiersave.storage.local import LocalStorage
+    from tiersave.storage.posix import LocalStorage
     from tiersave.testing.faults import Fault, FaultyStorage
     storage = FaultyStorage(LocalStorage({root!r}), [Fault("finish", 1)])
     ckpt = tiersave.Checkpointer(storage)

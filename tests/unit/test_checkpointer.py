@@ -12,7 +12,7 @@ import torch
 import tiersave
 from helpers import assert_same, listing
 from tiersave.errors import NoSpaceError, StorageError
-from tiersave.storage.local import LocalStorage
+from tiersave.storage.posix import LocalStorage
 from tiersave.testing.faults import Fault, FaultyStorage
 
 

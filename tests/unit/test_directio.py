@@ -1,4 +1,4 @@
-"""engine.directio: alignment splits, O_DIRECT open and refusal, bounce buffers, direct reads and writes
+"""storage.posix.directio: alignment splits, O_DIRECT open and refusal, bounce buffers, direct reads and writes
 around block boundaries, merged write edges, preallocation. On the ext4 work disk (tmp_path), where
 O_DIRECT enforces alignment (tmpfs accepts it and ignores alignment, so it proves nothing here)."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiersave.engine import directio
-from tiersave.engine.buffers import address_of, aligned_buffer
-from tiersave.engine.directio import (
+from tiersave.storage.posix import directio, filesystem_type
+from tiersave.storage.posix.buffers import address_of, aligned_buffer
+from tiersave.storage.posix.directio import (
     BouncePool,
     DioAlignment,
     PartialBlocks,
@@ -29,7 +29,6 @@ from tiersave.engine.directio import (
     refuse_direct_io,
     split_aligned,
 )
-from tiersave.storage.local import filesystem_type
 
 SIZES = [0, 1, 4095, 4096, 4097, 8191, 8192, 65536 + 3, (1 << 20) + 4097]
 A = DioAlignment(4096, 4096)

@@ -1,5 +1,5 @@
-"""engine.hybrid: the auto policy's decision for every documented case, knobs, statistics, and the
-calibration (measured for real on a small size, cached per file system under $XDG_CACHE_HOME)."""
+"""storage.posix.policy and .calibration: the auto policy's decision for every documented case, knobs,
+statistics, and the calibration (measured for real on a small size, cached per file system under $XDG_CACHE_HOME)."""
 
 from __future__ import annotations
 
@@ -13,22 +13,19 @@ from pathlib import Path
 import pytest
 
 from tiersave import knobs
-from tiersave.engine import hybrid
-from tiersave.engine.directio import refuse_direct_io
-from tiersave.engine.hybrid import (
+from tiersave.errors import ConfigError
+from tiersave.storage.posix import calibration as io_calibration
+from tiersave.storage.posix import filesystem_type
+from tiersave.storage.posix import policy as io_policy
+from tiersave.storage.posix.calibration import (
     Calibration,
-    IOMode,
-    IOPolicy,
-    IOStats,
     cache_path,
     calibrate,
     calibration_for,
     forget_calibrations,
-    io_mode_from_env,
-    parse_io_mode,
 )
-from tiersave.errors import ConfigError
-from tiersave.storage.local import filesystem_type
+from tiersave.storage.posix.directio import refuse_direct_io
+from tiersave.storage.posix.policy import IOMode, IOPolicy, IOStats, io_mode_from_env, parse_io_mode
 
 MiB = 1 << 20
 
@@ -74,19 +71,19 @@ def test_env_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="TIERSAVE_IO='sideways'"):
         io_mode_from_env()
     monkeypatch.setenv("TIERSAVE_DIRECT_MIN_BYTES", "4096")
-    assert hybrid.direct_min_bytes() == 4096
+    assert io_policy.direct_min_bytes() == 4096
     monkeypatch.setenv("TIERSAVE_DIRECT_MIN_BYTES", "lots")
     with pytest.raises(ConfigError, match="not an integer"):
-        hybrid.direct_min_bytes()
+        io_policy.direct_min_bytes()
     monkeypatch.setenv("TIERSAVE_BOUNCE_BYTES", "5000")
     with pytest.raises(ConfigError, match="multiple of 4096"):
-        hybrid.bounce_bytes()
+        io_policy.bounce_bytes()
     for raw, expected in (("1", "on"), ("off", "off"), ("refresh", "refresh")):
         monkeypatch.setenv("TIERSAVE_IO_CALIBRATE", raw)
-        assert hybrid.calibration_setting() == expected
+        assert io_calibration.calibration_setting() == expected
     monkeypatch.setenv("TIERSAVE_IO_CALIBRATE", "maybe")
     with pytest.raises(ConfigError, match="TIERSAVE_IO_CALIBRATE"):
-        hybrid.calibration_setting()
+        io_calibration.calibration_setting()
 
 
 def test_override_env_restores_the_previous_value(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -268,9 +265,9 @@ def test_calibration_is_measured_once_then_cached_on_disk(
 
     def fake(directory: Path, *, fstype: str = "", **_: object) -> Calibration:
         calls.append(Path(directory))
-        return Calibration(hybrid.fs_key(directory, fstype), 2.0, 0.3, 1.8, 1.2, 10.0, MiB, 4, 1.0)
+        return Calibration(io_calibration.fs_key(directory, fstype), 2.0, 0.3, 1.8, 1.2, 10.0, MiB, 4, 1.0)
 
-    monkeypatch.setattr(hybrid, "calibrate", fake)
+    monkeypatch.setattr(io_calibration, "calibrate", fake)
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     assert calibration_for(data_dir, "ext4", measure=False) is None
@@ -294,7 +291,7 @@ def test_policy_looks_the_calibration_up_lazily(tmp_path: Path, monkeypatch: pyt
         looked.append(fstype)
         return cal(dw=0.1, bw=1.0)
 
-    monkeypatch.setattr(hybrid, "calibration_for", fake_for)
+    monkeypatch.setattr(io_policy, "calibration_for", fake_for)
     p = IOPolicy(IOMode.AUTO, tmp_path, "ext4", min_direct_bytes=MiB)
     assert p.decide("read", 10, aligned=True).reason == "small"
     assert looked == []  # small reads never need it
@@ -307,5 +304,5 @@ def test_unwritable_cache_is_not_an_error(tmp_path: Path, monkeypatch: pytest.Mo
     blocker = tmp_path / "file-not-dir"
     blocker.write_text("x")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
-    hybrid._store_cache(cal())  # logs at debug level, raises nothing
-    assert hybrid._load_cache() == {}
+    io_calibration._store_cache(cal())  # logs at debug level, raises nothing
+    assert io_calibration._load_cache() == {}

@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine.buffers import aligned_buffer
-from ..engine.directio import open_direct
-from ..engine.hybrid import ThreadBuffers, run_blocks
+from ..storage.posix.buffers import aligned_buffer
+from ..storage.posix.calibration import ThreadBuffers, run_blocks
+from ..storage.posix.directio import open_direct
 
 __all__ = ["RawResult", "evict", "measure_raw"]
 

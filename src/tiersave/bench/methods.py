@@ -125,7 +125,7 @@ class TiersaveMethod(Method):
 
     def prepare(self, root: Path) -> None:
         from ..checkpointer import Checkpointer
-        from ..storage.local import LocalStorage
+        from ..storage.posix import LocalStorage
 
         super().prepare(root)
         self.storage = LocalStorage(self.root, io=self.io, calibration=self.calibration)

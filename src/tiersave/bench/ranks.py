@@ -14,7 +14,7 @@ import multiprocessing as mp
 import time
 from typing import Any
 
-from .runner import BenchConfig
+from .config import BenchConfig
 
 __all__ = ["run_ranks"]
 
@@ -40,7 +40,7 @@ def _rank_main(
         from pathlib import Path
 
         from ..checkpointer import Checkpointer
-        from ..storage.local import LocalStorage
+        from ..storage.posix import LocalStorage
         from .device import evict
         from .workload import build_state, gpt_like_spec
 

@@ -29,83 +29,15 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import ConfigError
-from ..storage.local import filesystem_type
+from ..storage.posix import filesystem_type
+from .config import BenchConfig
 from .device import RawResult, evict, measure_raw
+from .ranks import run_ranks
 from .workload import StateSpec, gpt_like_spec
 
-__all__ = ["BenchConfig", "BenchResult", "MethodResult", "run_bench"]
+__all__ = ["BenchResult", "MethodResult", "run_bench"]
 
 ProgressFn = Callable[[int, int, str], None]
-IO_MODES = ("auto", "direct", "buffered")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BenchConfig:
-    """What to run.
-
-    Attributes:
-        directory: where checkpoints go (on the file system under test); created, and emptied at the end
-            unless ``keep``.
-        model: a :mod:`tiersave.planner.architecture` preset whose shapes the state imitates.
-        size_bytes: the state's size (weights + two Adam moments, fp32).
-        checkpoints: timed rounds of save + load per method.
-        warmup: untimed rounds first (a job's first save allocates what later saves reuse: staging
-            memory, threads; the benchmark measures the steady state).
-        io_modes: tiersave I/O modes to run (``auto``, ``direct``, ``buffered``).
-        peers: peer methods (``torch``, ``safetensors``, ``dcp``, ``dcp-async``).
-        io_threads: tiersave's I/O threads (None: its default).
-        raw: measure the raw device limits.
-        drop_caches: also drop the kernel page cache (root only) besides ``fadvise(DONTNEED)``.
-        recalibrate: measure the auto policy's calibration again instead of using the cached one.
-        ranks: tiersave processes for the multi-rank phase (1: skip it).
-        seed: seed of the state's random values.
-        keep: leave the last checkpoints on disk.
-    """
-
-    directory: Path
-    model: str = "llama3-8b"
-    size_bytes: int = 3_000_000_000
-    checkpoints: int = 2
-    warmup: int = 1
-    io_modes: tuple[str, ...] = IO_MODES
-    peers: tuple[str, ...] = ("torch", "safetensors", "dcp", "dcp-async")
-    io_threads: int | None = None
-    raw: bool = True
-    drop_caches: bool = True
-    recalibrate: bool = False
-    ranks: int = 1
-    seed: int = 0
-    keep: bool = False
-
-    def __post_init__(self) -> None:
-        if self.checkpoints < 1:
-            raise ConfigError(f"checkpoints must be >= 1, got {self.checkpoints}")
-        if self.warmup < 0:
-            raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
-        if self.ranks < 1:
-            raise ConfigError(f"ranks must be >= 1, got {self.ranks}")
-        for mode in self.io_modes:
-            if mode not in IO_MODES:
-                raise ConfigError(f"unknown io mode {mode!r}; known: {', '.join(IO_MODES)}")
-        if len(set(self.io_modes)) != len(self.io_modes) or len(set(self.peers)) != len(self.peers):
-            raise ConfigError("io modes and peers must not repeat")
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "directory": str(self.directory),
-            "model": self.model,
-            "size_bytes": self.size_bytes,
-            "checkpoints": self.checkpoints,
-            "warmup": self.warmup,
-            "io_modes": list(self.io_modes),
-            "peers": list(self.peers),
-            "io_threads": self.io_threads,
-            "raw": self.raw,
-            "drop_caches": self.drop_caches,
-            "recalibrate": self.recalibrate,
-            "ranks": self.ranks,
-            "seed": self.seed,
-        }
 
 
 @dataclass
@@ -242,7 +174,7 @@ def run_bench(config: BenchConfig, *, progress: ProgressFn | None = None) -> Ben
         ConfigError: bad configuration, not enough disk or memory.
         BackendUnavailableError: a requested peer's package is missing.
     """
-    from ..engine.hybrid import Calibration, calibration_for
+    from ..storage.posix.calibration import Calibration, calibration_for
     from .methods import Method, TiersaveMethod, make_peer
     from .workload import build_state, empty_like_state
 
@@ -319,8 +251,6 @@ def run_bench(config: BenchConfig, *, progress: ProgressFn | None = None) -> Ben
             m.close()
     ranks_result = None
     if config.ranks > 1:
-        from .ranks import run_ranks
-
         tick(f"{config.ranks} ranks: tiersave save")
         ranks_result = run_ranks(config, cal)
         tick(f"{config.ranks} ranks: done")

@@ -1,7 +1,7 @@
 """The benchmark's training state: a GPT-like dict of fp32 weights plus Adam moments, scaled to a size.
 
-Scope: shapes of a decoder-only transformer taken from a :mod:`tiersave.planner.architecture` preset and scaled down
-(fewer layers, a narrower width and vocabulary, same proportions) until weights plus two fp32 Adam moments
+Scope: shapes of a decoder-only transformer taken from a :mod:`tiersave.planner.architecture` preset and
+scaled down (fewer layers, a narrower width and vocabulary, same proportions) until weights plus two fp32 Adam moments
 weigh a target number of bytes; materializing that state as CPU tensors filled with incompressible data.
 The spec is torch-free; :func:`build_state` imports torch.
 

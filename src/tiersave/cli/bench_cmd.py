@@ -58,7 +58,8 @@ def register(subparsers: Any) -> None:
             "Checkpoint storage benchmark (MLPerf Storage checkpointing style): a GPT-like state of fp32\n"
             "weights and Adam moments is saved until durable and restored from a cold cache, by tiersave in\n"
             "each I/O mode and by the peers, next to the device's raw direct-I/O limits measured in the\n"
-            "same run on the same directory. Prints a table, the ratios and the targets of DESIGN.md."
+            "same run on the same directory. Prints a table, the ratios, and the targets met or missed\n"
+            "(the targets, the reference runs and how to read them: docs/benchmarks.md)."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -2,7 +2,7 @@
 
 ``open_storage(uri)`` maps a URI to a backend:
 
-- a plain path or ``file:///path``: :class:`~tiersave.storage.local.LocalStorage`;
+- a plain path or ``file:///path``: :class:`~tiersave.storage.posix.LocalStorage`;
 - ``mem://NAME``: :class:`~tiersave.storage.memory.MemoryStorage`, shared memory on this node;
 - ``s3://BUCKET/PREFIX?endpoint=...``: :class:`~tiersave.storage.s3.S3Storage` (needs ``tiersave[s3]``;
   options in :mod:`tiersave.storage.s3`).
@@ -50,7 +50,7 @@ def open_storage(uri: str | os.PathLike[str] | Storage, *, create: bool = True, 
         raise ConfigError("empty storage URI")
     parsed = urlparse(text)
     scheme = parsed.scheme.lower()
-    from .local import LocalStorage
+    from .posix import LocalStorage
 
     if scheme in ("", "file"):
         path = unquote(parsed.path) if scheme == "file" else text

@@ -1,6 +1,6 @@
 """The memory tier: checkpoints in shared memory (``/dev/shm``) on this node, ``mem://NAME``.
 
-Scope: a :class:`~tiersave.storage.local.LocalStorage` rooted at ``/dev/shm/tiersave/NAME`` (tmpfs), so
+Scope: a :class:`~tiersave.storage.posix.LocalStorage` rooted at ``/dev/shm/tiersave/NAME`` (tmpfs), so
 the same atomic-rename commit applies and a checkpoint there outlives the process that wrote it: after a
 crash, a new process on the same node restores from RAM instead of disk. It does not survive a reboot or
 the loss of the node (``capabilities.durable`` is False), so a chain drains it to a durable tier.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError, storage_error_from_os
-from .local import LocalStorage
+from .posix import LocalStorage
 
 __all__ = ["MemoryNamespace", "MemoryStorage", "namespaces", "shm_base"]
 

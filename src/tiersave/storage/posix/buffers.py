@@ -1,15 +1,17 @@
-"""Page-aligned host buffers: what O_DIRECT needs, and what staging and bounce buffers are made of.
+"""Page-aligned host buffers: what O_DIRECT needs, and what bounce buffers are made of.
 
-``aligned_buffer(n)`` returns a writable ``memoryview`` of ``n`` bytes whose address is a multiple of
-4096. It is backed by numpy (no torch), so the I/O engine stays usable without torch; pinned (page-locked)
-buffers for CUDA copies come from ``tiersave.engine.stage``, which checks their alignment the same way.
+Scope: ``aligned_buffer(n)``, a writable ``memoryview`` of ``n`` bytes whose address is a multiple of
+4096, and the address and alignment checks of a buffer. Anti-scope: pinned (page-locked) buffers for
+CUDA copies, which the engine's staging allocates with torch and checks the same way.
+
+Backed by numpy (no torch), so the POSIX backend stays usable without torch.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..format.layout import ALIGN
+from ...format.layout import ALIGN
 
 
 def address_of(view: memoryview) -> int:

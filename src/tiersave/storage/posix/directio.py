@@ -6,7 +6,7 @@ telling "this file system refuses it" apart from real errors), the alignment the
 moving the middle straight between the caller's memory and the disk when its address allows and through
 a small reusable pool of page-aligned *bounce buffers* when it does not, and merging the unaligned edges
 of writes into whole zero-filled pages that are written at the end. Anti-scope: *whether* to use direct
-I/O for a request (:mod:`tiersave.engine.hybrid`), durability (the caller ``fsync``-s: O_DIRECT bypasses
+I/O for a request (:mod:`tiersave.storage.posix.policy`), durability (the caller ``fsync``-s: O_DIRECT bypasses
 the page cache but does not flush the device's write cache nor the file's metadata), error mapping
 (the storage backend maps ``OSError``).
 
@@ -36,7 +36,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ..format.layout import ALIGN, align_up
+from ...format.layout import ALIGN, align_up
 from .buffers import address_of, aligned_buffer
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,309 @@
+"""The POSIX backend's blob writer and reader: one file, many threads, direct or buffered per request.
+
+Scope: :class:`LocalBlobWriter` (writes at any offsets into a new file: whole blocks direct or buffered
+as the policy decides, unaligned edges merged into blocks, preallocation, ``fsync`` at ``finish``) and
+:class:`LocalBlobReader` (reads ranges direct or buffered), with the statistics of what each moved.
+Anti-scope: opening the files and everything else of the storage protocol
+(:class:`~tiersave.storage.posix.LocalStorage`), the system calls of direct I/O
+(:mod:`tiersave.storage.posix.directio`), the rules choosing a path (:mod:`tiersave.storage.posix.policy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+from ...errors import CorruptCheckpointError, StorageError
+from .buffers import address_of
+from .directio import (
+    BouncePool,
+    DioAlignment,
+    PartialBlocks,
+    dio_alignment,
+    is_refusal,
+    pread_direct,
+    preallocate,
+    pwrite_direct,
+    split_aligned,
+)
+from .files import os_errors, read_all, unlink_quiet, write_all
+from .policy import Decision, IOPolicy, IOStats
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BlobHost", "LocalBlobReader", "LocalBlobWriter"]
+
+_MAX_PENDING_BYTES = 64 << 20
+_PREALLOC_STEP_BYTES = 256 << 20
+
+
+class BlobHost(Protocol):
+    """What a writer or reader uses of the storage that opened it.
+
+    :class:`~tiersave.storage.posix.LocalStorage` provides it; the writers and readers add their
+    statistics to its ``io_stats`` when they finish or close.
+    """
+
+    @property
+    def uri(self) -> str: ...
+
+    @property
+    def io_policy(self) -> IOPolicy: ...
+
+    @property
+    def bounce_pool(self) -> BouncePool: ...
+
+    @property
+    def io_stats(self) -> IOStats: ...
+
+
+class LocalBlobWriter:
+    """Writes one new file from any number of threads, direct or buffered per request.
+
+    Each ``write_at`` splits its range at the file's direct-I/O block size: whole blocks go direct (in
+    place when the source address allows, else through a bounce buffer) or buffered as the policy
+    decides; the unaligned edges are merged into zero-filled blocks written at ``finish`` (see
+    :class:`~tiersave.storage.posix.directio.PartialBlocks` for why that gives the same bytes). Once more than
+    ``_MAX_PENDING_BYTES`` of edges are pending, they and every later edge go buffered instead, which keeps
+    memory bounded for writers that send many tiny pieces.
+
+    Attributes:
+        io_stats: what this writer moved on each path (thread-safe).
+    """
+
+    def __init__(self, storage: BlobHost, key: str, path: Path, fd: int, dfd: int | None = None) -> None:
+        self.key = key
+        self._storage = storage
+        self._path = path
+        self._fd: int | None = fd
+        self._dfd = dfd
+        self.io_stats = IOStats()
+        self._align: DioAlignment = dio_alignment(dfd) if dfd is not None else DioAlignment(4096, 4096)
+        self._edges = PartialBlocks(self._align.offset) if dfd is not None else None
+        self._edges_buffered = False
+        self._lock = threading.Lock()
+        self._reserved = 0  # bytes preallocated from the start of the file (see _reserve)
+        self._prealloc = dfd is not None
+
+    @property
+    def direct(self) -> bool:
+        """True while this writer can issue direct I/O."""
+        return self._dfd is not None
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        fd = self._fd
+        if fd is None:
+            raise StorageError(f"{self.key!r}: write after finish/abort", tier=self._storage.uri, key=self.key)
+        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        n = len(view)
+        if n == 0:
+            return
+        with os_errors(self._storage.uri, "writing", self.key):
+            if self._edges is None:  # no direct descriptor: say why in the statistics, write buffered
+                self.io_stats.note(self._storage.io_policy.decide("write", n, aligned=False).reason)
+                start = time.perf_counter()
+                write_all(fd, view, offset)
+                self.io_stats.record("buffered", n, time.perf_counter() - start)
+                return
+            head, middle, tail = split_aligned(offset, n, self._align.offset)
+            if head:
+                self._add_edge(fd, offset, view[:head])
+            if tail:
+                self._add_edge(fd, offset + n - tail, view[n - tail :])
+            if middle:
+                self._write_blocks(fd, offset + head, view[head : head + middle])
+
+    def _reserve(self, dfd: int, end: int) -> None:
+        """Preallocate the file up to at least ``end`` so that direct writes are in-place overwrites.
+
+        The file grows in steps of at least ``_PREALLOC_STEP_BYTES`` (or an eighth of its size), since the
+        final size is known only at ``finish``, which trims the excess.
+        """
+        if not self._prealloc or end <= self._reserved:
+            return
+        with self._lock:
+            if not self._prealloc or end <= self._reserved:
+                return
+            target = max(end, self._reserved + max(_PREALLOC_STEP_BYTES, self._reserved // 8))
+            if preallocate(dfd, self._reserved, target - self._reserved):
+                self._reserved = target
+            elif target > end and preallocate(dfd, self._reserved, end - self._reserved):
+                self._reserved = end
+            else:
+                self._prealloc = False  # not supported, or no room for more: plain writes from now on
+
+    def _write_blocks(self, fd: int, offset: int, view: memoryview) -> None:
+        policy = self._storage.io_policy
+        aligned = address_of(view) % self._align.memory == 0
+        decision = policy.decide("write", len(view), aligned=aligned)
+        self.io_stats.note(decision.reason)
+        log.debug("%s: write %d B at %d: %s (%s: %s)", self.key, len(view), offset, *_describe(decision))
+        dfd = self._dfd
+        start = time.perf_counter()
+        if decision.path == "direct" and dfd is not None:
+            self._reserve(dfd, offset + len(view))
+            try:
+                bounced = pwrite_direct(dfd, view, offset, self._align, self._storage.bounce_pool)
+            except OSError as exc:
+                if not is_refusal(exc):
+                    raise
+                policy.mark_refused(f"{exc.strerror} on a direct write")
+            else:
+                self.io_stats.record("direct-bounce" if bounced else "direct", len(view), time.perf_counter() - start)
+                return
+        # Whole blocks that no other write touches: buffered and direct writes of other blocks may mix.
+        write_all(fd, view, offset)
+        self.io_stats.record("buffered", len(view), time.perf_counter() - start)
+
+    def _add_edge(self, fd: int, offset: int, piece: memoryview) -> None:
+        edges = self._edges
+        if edges is None:
+            write_all(fd, piece, offset)
+            return
+        start = time.perf_counter()
+        with self._lock:
+            if self._edges_buffered:
+                write_all(fd, piece, offset)
+                self.io_stats.record("buffered", len(piece), time.perf_counter() - start)
+                return
+            edges.add(offset, piece)
+            if edges.pending_bytes > _MAX_PENDING_BYTES:
+                # Too many tiny pieces to hold: write them (and all later ones) through the page cache.
+                flushed = edges.flush_buffered(fd)
+                self._edges_buffered = True
+                self.io_stats.record("buffered", flushed, time.perf_counter() - start)
+                log.debug("%s: over %d B of unaligned pieces; writing edges buffered", self.key, _MAX_PENDING_BYTES)
+
+    def _flush_edges(self, fd: int) -> None:
+        edges = self._edges
+        if edges is None or self._edges_buffered or not len(edges):
+            return
+        start = time.perf_counter()
+        dfd = self._dfd
+        if dfd is not None and not self._storage.io_policy.refused:
+            try:
+                self._reserve(dfd, max(off + sum(len(b) for b in blocks) for off, blocks in edges.runs()))
+                written = edges.flush_direct(dfd, self._align, self._storage.bounce_pool)
+            except OSError as exc:
+                if not is_refusal(exc):
+                    raise
+                self._storage.io_policy.mark_refused(f"{exc.strerror} on a direct write")
+            else:
+                self.io_stats.record("blocks", written, time.perf_counter() - start)
+                return
+        written = edges.flush_buffered(fd)
+        self.io_stats.record("buffered", written, time.perf_counter() - start)
+
+    def finish(self, size: int) -> None:
+        fd = self._fd
+        if fd is None:
+            raise StorageError(f"{self.key!r}: finish after abort", tier=self._storage.uri, key=self.key)
+        with os_errors(self._storage.uri, "syncing", self.key):
+            try:
+                self._flush_edges(fd)
+                os.ftruncate(fd, size)
+                # O_DIRECT bypasses the page cache but not the device cache nor the file's metadata: fsync
+                # always. An fsync error means this file is lost: never retried (fsyncgate).
+                os.fsync(fd)
+            finally:
+                self._close()
+                self._storage.io_stats.merge(self.io_stats)
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, None
+        dfd, self._dfd = self._dfd, None
+        for f in (dfd, fd):
+            if f is not None:
+                os.close(f)
+        if self._edges is not None:
+            self._edges.clear()
+
+    def abort(self) -> None:
+        self._close()
+        unlink_quiet(self._path)
+
+
+class LocalBlobReader:
+    """Reads ranges of one regular file from any number of threads, direct or buffered per request.
+
+    Attributes:
+        io_stats: what this reader moved on each path (thread-safe).
+    """
+
+    def __init__(self, storage: BlobHost, key: str, fd: int, dfd: int | None = None) -> None:
+        self.key = key
+        self._storage = storage
+        self._fd = fd
+        self._dfd = dfd
+        self.size = os.fstat(fd).st_size
+        self.io_stats = IOStats()
+        self._align: DioAlignment = dio_alignment(dfd) if dfd is not None else DioAlignment(4096, 4096)
+        with contextlib.suppress(OSError, AttributeError):
+            # Doubles the kernel's read-ahead window for the buffered path (chunks are read in order).
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        n = len(view)
+        if n == 0:
+            return
+        with os_errors(self._storage.uri, "reading", self.key):
+            dfd = self._dfd
+            start = time.perf_counter()
+            if dfd is not None:
+                head, _, _ = split_aligned(offset, n, self._align.offset)
+                aligned = (address_of(view) + head) % self._align.memory == 0
+                policy = self._storage.io_policy
+                decision = policy.decide("read", n, aligned=aligned)
+                self.io_stats.note(decision.reason)
+                log.debug("%s: read %d B at %d: %s (%s: %s)", self.key, n, offset, *_describe(decision))
+                if decision.path == "direct":
+                    try:
+                        filled, bounced = pread_direct(dfd, view, offset, self._align, self._storage.bounce_pool)
+                    except OSError as exc:
+                        if not is_refusal(exc):
+                            raise
+                        policy.mark_refused(f"{exc.strerror} on a direct read")
+                    else:
+                        if filled < n:
+                            raise CorruptCheckpointError(
+                                f"{self.key!r} ends before byte {offset + n} (read stopped at {offset + filled})",
+                                file=self.key,
+                            )
+                        seconds = time.perf_counter() - start
+                        if bounced:
+                            self.io_stats.record("direct-bounce", bounced, seconds * bounced / n)
+                        if filled - bounced:
+                            self.io_stats.record("direct", filled - bounced, seconds * (filled - bounced) / n)
+                        return
+            else:  # no direct descriptor: say why in the statistics
+                self.io_stats.note(self._storage.io_policy.decide("read", n, aligned=False).reason)
+            read_all(self._fd, view, offset, self.key)
+            self.io_stats.record("buffered", n, time.perf_counter() - start)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        dfd, self._dfd = self._dfd, None
+        if dfd is not None:
+            os.close(dfd)
+        if fd >= 0:
+            os.close(fd)
+            self._storage.io_stats.merge(self.io_stats)
+
+    def __enter__(self) -> LocalBlobReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _describe(decision: Decision) -> tuple[str, str, str]:
+    return decision.path, decision.reason, decision.detail
