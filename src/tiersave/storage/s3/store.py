@@ -56,8 +56,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .._futures import wait_all
-from ..errors import (
+from ..._futures import wait_all
+from ...errors import (
     AlreadyExistsError,
     BackendUnavailableError,
     ConfigError,
@@ -70,7 +70,7 @@ from ..errors import (
     TiersaveError,
     TransientStorageError,
 )
-from .base import ObjectInfo, PutMode, StorageCapabilities, check_key
+from ..base import ObjectInfo, PutMode, StorageCapabilities, check_key
 
 try:
     import obstore
@@ -190,7 +190,7 @@ class S3Options:
         Raises:
             ConfigError: a malformed URI, an unknown option or a bad value.
         """
-        from ..units import parse_bytes, parse_duration
+        from ...units import parse_bytes, parse_duration
 
         environ = os.environ if env is None else env
         parsed = urllib.parse.urlsplit(uri)
