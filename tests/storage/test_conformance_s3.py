@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from tiersave.storage.s3 import S3Storage
@@ -112,3 +117,25 @@ def test_part_buffers_not_reused_while_obstore_still_sends_them(s3_storage):
     for i in range(nparts):
         chunk = data[i * part : (i + 1) * part]
         assert chunk.count(i + 1) == part, f"part {i} holds foreign bytes"
+
+
+def test_without_obstore_an_s3_uri_names_the_extra():
+    """The package checks for obstore before any of its modules imports it, so a missing extra is a
+    BackendUnavailableError naming tiersave[s3], not a bare ImportError from whichever module came first."""
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["obstore"] = None  # what an environment without the extra looks like to an import
+        from tiersave.errors import BackendUnavailableError
+        from tiersave.storage import open_storage
+        try:
+            open_storage("s3://bucket-x/run")
+        except BackendUnavailableError as exc:
+            print(f"raised: {exc}")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=dict(os.environ)
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "raised: the s3:// tier needs obstore: pip install 'tiersave[s3]'"
