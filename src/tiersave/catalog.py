@@ -1,6 +1,13 @@
 """The committed checkpoints of one storage root: list, describe, open for reading, verify, delete.
 
+Scope: what is committed under one root and what each checkpoint says (parsed, validated manifests, cached
+per step), opening one for reading with its shards checked, verifying every byte, deleting what a retention
+policy does not keep and the leftovers of interrupted saves. Anti-scope: how a checkpoint becomes visible
+(commit.py), which root is which tier and when to prune (tiers.py), what to keep (policy.py), loading bytes
+into a live state (restore.py).
+
 Torch-free, so the CLI can list, inspect, verify and export checkpoints on any machine.
+Thread safety: every method may be called from any thread.
 """
 
 from __future__ import annotations

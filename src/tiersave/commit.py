@@ -17,6 +17,10 @@ Choose with :func:`commit_for` (by capabilities, never by type).
 Call protocol (one save, one thread): ``begin(step)`` -> write shards at ``f"{prefix}/{name}"`` and
 record ``shard_file(prefix, name)`` in the manifest -> ``commit(prefix, step, manifest)`` or
 ``abort(prefix)``.
+
+Scope: the atomic visibility of one checkpoint on one storage, and recognising the leftovers of attempts
+whose writer died. Anti-scope: what the manifest says (format/), writing the shards (engine/), listing and
+deleting committed checkpoints (catalog.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,11 @@
-"""Parallel, checksummed movement of tensor bytes between memory and a storage backend.
+"""Parallel, checksummed movement of tensor bytes between a state and the ``Storage`` protocol.
 
-Scope: splitting tensors into chunks, running reads and writes on a thread pool (the system calls and
-CRC-32C release the GIL), computing and verifying checksums. Anti-scope: what a checkpoint contains
-(format/, state.py), when it becomes visible (commit.py).
+Modules: ``stage`` (the staging arena, its ring, host and device copies), ``pipeline`` (the staged write of
+one save: layout, units, checksums, parallel writes, durability), ``reader`` (parallel verified reads into
+caller memory), ``pool`` (daemon thread pools).
+
+Scope: splitting tensors into chunks, staging them, running reads and writes on a thread pool (the system
+calls and CRC-32C release the GIL), computing and verifying checksums. Anti-scope: what a checkpoint
+contains (format/, state.py), when it becomes visible (commit.py), catalogs and tiers (the checkpoint
+level), file-system and object-store details (storage/).
 """

@@ -1,4 +1,9 @@
-"""Read tensors of one checkpoint into caller-provided memory, verifying every chunk's CRC-32C."""
+"""Read tensors of one checkpoint into caller-provided memory, verifying every chunk's CRC-32C.
+
+Scope: one parallel read of many tensors' chunks from open shard readers, each chunk checked before it
+counts as read. Anti-scope: choosing destinations (restore.py), opening shards and validating manifests
+(catalog.py).
+"""
 
 from __future__ import annotations
 
