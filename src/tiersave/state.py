@@ -115,6 +115,7 @@ class _Flattener:
         self._by_identity: dict[tuple[Any, ...], str] = {}
         self._names: set[str] = set()
         self._active: set[int] = set()  # containers on the current path, to reject cycles
+        self._depth = 0  # the decoder's nesting level of the value being encoded
 
     def _unique_name(self, path: str) -> str:
         name = path or "tensor"
@@ -201,20 +202,36 @@ class _Flattener:
         if isinstance(obj, (dict, list, tuple)):
             if id(obj) in self._active:
                 raise UnsupportedStateError(f"{path or 'state'}: the state contains a cycle", path=path)
+            # a state dict with torch's _metadata is wrapped in a tag: one more level for the decoder
+            levels = 2 if isinstance(obj, dict) and getattr(obj, "_metadata", None) is not None else 1
+            self._enter(levels, path)
             self._active.add(id(obj))
             try:
                 return self._container(obj, path)
             finally:
                 self._active.discard(id(obj))
+                self._depth -= levels
         if is_stateful(obj):
             state = obj.state_dict()
             kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
-            return {T.T_STATEFUL: {"type": kind[:256], "state": self.encode(state, path)}}
+            self._enter(1, path)
+            try:
+                return {T.T_STATEFUL: {"type": kind[:256], "state": self.encode(state, path)}}
+            finally:
+                self._depth -= 1
         raise UnsupportedStateError(
             f"{path or 'state'}: cannot save an object of type {type(obj).__module__}.{type(obj).__qualname__}; "
             "give it state_dict()/load_state_dict(), or convert it to tensors, numbers, strings, lists or dicts",
             path=path,
         )
+
+    def _enter(self, levels: int, path: str) -> None:
+        if self._depth + levels > T.MAX_TREE_DEPTH:
+            where = path if len(path) <= 80 else "..." + path[-77:]
+            raise UnsupportedStateError(
+                f"{where or 'state'}: the state nests deeper than {T.MAX_TREE_DEPTH} levels", path=path
+            )
+        self._depth += levels
 
     def _npscalar(self, obj: np.generic, path: str) -> Any:
         name = NUMPY_TO_NAME.get(obj.dtype.name)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tiersave
-from tiersave.format.manifest import Manifest
+from tiersave.format.manifest import Manifest, seal
 
 STEP_DIR = "step-0000000001"
 
@@ -36,7 +36,9 @@ def load_doc(root: Path) -> dict:
 
 
 def write_doc(root: Path, doc: dict) -> None:
-    manifest_path(root).write_text(json.dumps(doc))
+    """Write an edited manifest with a matching checksum, as a forger would: what is left to catch it is the
+    structural validation these tests pin."""
+    manifest_path(root).write_bytes(seal(doc))
 
 
 def restore_error(root: Path, exc_type=tiersave.FormatError) -> str:

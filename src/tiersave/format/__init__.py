@@ -6,5 +6,5 @@ Nothing here imports torch, numpy or the storage layer.
 """
 
 FORMAT_NAME = "tiersave"
-FORMAT_VERSION = (1, 0)
+FORMAT_VERSION = (1, 1)
 FORMAT_VERSION_STR = f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}"

@@ -2,11 +2,18 @@
 
 ``Manifest.to_json()`` writes docs/format.md section 4; ``Manifest.parse()`` performs every check of
 section 4.2 before any value is used, so code holding a ``Manifest`` can trust its offsets and sizes.
+
+Integrity (format 1.1): ``checksum.manifest_sha256`` is the SHA-256 of the manifest's canonical bytes
+without that field (:func:`seal`). It is checked right after the JSON is parsed, before any value is used,
+so a flipped bit in a scalar, a string, a dtype or a tensor reference is caught like a flipped bit in a
+shard. It detects damage, not forgery: whoever can rewrite a manifest can recompute its hash.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
+import hashlib
 import itertools
 import math
 import re
@@ -48,6 +55,8 @@ _TOP_FIELDS = frozenset(
     }
 )
 _SHARD_FIELDS = frozenset({"file", "rank", "size"})
+MANIFEST_HASH_FIELD = "manifest_sha256"
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "shard", "offset", "nbytes", "crc32c"})
 
 
@@ -98,6 +107,8 @@ class Manifest:
     stats: Mapping[str, Any] = field(default_factory=dict)
     format_version: str = FORMAT_VERSION_STR
     library: Mapping[str, Any] = field(default_factory=lambda: {"name": "tiersave", "version": __version__})
+    manifest_verified: bool = True
+    """False for a manifest written before format 1.1, which carries no checksum of its own."""
 
     @property
     def total_bytes(self) -> int:
@@ -137,7 +148,7 @@ class Manifest:
             "metadata": dict(self.metadata),
             "stats": dict(self.stats),
         }
-        data = dumps_canonical(doc)
+        data = seal(doc)
         if len(data) > MAX_MANIFEST_BYTES:
             raise FormatError(
                 f"manifest of step {self.step} would be {len(data)} bytes, over the "
@@ -159,7 +170,13 @@ class Manifest:
             CorruptCheckpointError: the manifest contradicts where it was found (``expect_step``).
         """
         doc = loads_strict(data, what=path, max_bytes=MAX_MANIFEST_BYTES)
-        manifest = _Checker(path).build(doc)
+        verified = _check_seal(doc, path)
+        try:
+            manifest = _Checker(path).build(doc)
+        except RecursionError:  # cannot happen within the caps; a typed error if the stack was already deep
+            raise FormatError(f"{path}: nested too deeply to validate", path=path) from None
+        if not verified:
+            manifest = dataclasses.replace(manifest, manifest_verified=False)
         if expect_step is not None and manifest.step != expect_step:
             raise CorruptCheckpointError(
                 f"{path}: manifest says step {manifest.step} but was found as step {expect_step}",
@@ -168,6 +185,45 @@ class Manifest:
                 file="manifest.json",
             )
         return manifest
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """Serialize a manifest document with its integrity field: ``doc["checksum"]["manifest_sha256"]`` is set
+    (replaced if present) to the SHA-256 of the canonical bytes of ``doc`` without it. Returns the bytes."""
+    checksum = doc["checksum"]
+    checksum.pop(MANIFEST_HASH_FIELD, None)
+    checksum[MANIFEST_HASH_FIELD] = hashlib.sha256(dumps_canonical(doc)).hexdigest()
+    return dumps_canonical(doc)
+
+
+def _check_seal(doc: Any, path: str) -> bool:
+    """Check and remove the manifest's own checksum. Returns False for a format 1.0 manifest without one.
+
+    Raises:
+        CorruptCheckpointError: the manifest's bytes do not match its checksum.
+        FormatError: a 1.1+ manifest lacks its checksum, or the field is malformed.
+    """
+    if not isinstance(doc, dict) or not isinstance(doc.get("checksum"), dict):
+        return False  # not a manifest at all: the structural checks say what is wrong
+    checksum = doc["checksum"]
+    expected = checksum.pop(MANIFEST_HASH_FIELD, None)
+    if expected is None:
+        version = doc.get("format_version")
+        m = _VERSION_RE.match(version) if isinstance(version, str) else None
+        if m is not None and (int(m.group(1)), int(m.group(2))) >= (1, 1):
+            raise FormatError(f"{path}: format {version} manifest lacks checksum.{MANIFEST_HASH_FIELD}", path=path)
+        return False
+    if not isinstance(expected, str) or not _SHA256_HEX.match(expected):
+        raise FormatError(f"{path}: checksum.{MANIFEST_HASH_FIELD} must be 64 lowercase hex digits", path=path)
+    actual = hashlib.sha256(dumps_canonical(doc)).hexdigest()
+    if actual != expected:
+        raise CorruptCheckpointError(
+            f"{path}: the manifest does not match its checksum (sha256 {actual[:16]}..., recorded "
+            f"{expected[:16]}...): it was damaged or edited after it was written",
+            path=path,
+            file="manifest.json",
+        )
+    return True
 
 
 class _Checker:

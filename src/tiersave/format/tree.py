@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 from ..errors import FormatError
 from .dtypes import lookup
-from .jsonsafe import MAX_DEPTH
 
 T_FLOAT = "$float"
 T_DICT = "$dict"
@@ -88,6 +87,12 @@ def _check_key(key: Any, path: str) -> None:
         raise _fail(path, f"dict key of type {type(key).__name__} is not allowed")
 
 
+MAX_TREE_DEPTH = 128
+"""Deepest nesting of a state tree (containers, stateful objects and tags). Writers refuse deeper states and
+readers reject deeper trees, with a typed error: the recursive encoders and decoders stay far inside
+Python's recursion limit (about 3 frames a level), so no depth below this cap can raise RecursionError."""
+
+
 class TreeDecoder:
     """Walks an encoded tree and rebuilds Python values, delegating leaves to ``hooks``."""
 
@@ -95,8 +100,8 @@ class TreeDecoder:
         self._hooks = hooks
 
     def decode(self, node: Any, path: str = "", depth: int = 0) -> Any:
-        if depth > MAX_DEPTH:
-            raise _fail(path or "<root>", f"nested deeper than {MAX_DEPTH} levels")
+        if depth > MAX_TREE_DEPTH:
+            raise _fail(path or "<root>", f"nested deeper than {MAX_TREE_DEPTH} levels")
         if node is None or isinstance(node, (bool, int, str)):
             return node
         if isinstance(node, float):
