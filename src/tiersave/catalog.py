@@ -116,6 +116,7 @@ class VerifyReport:
     bytes_checked: int
     seconds: float
     errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -124,6 +125,7 @@ class VerifyReport:
             "bytes_checked": self.bytes_checked,
             "seconds": round(self.seconds, 6),
             "errors": self.errors,
+            "notes": self.notes,
         }
 
 
@@ -315,6 +317,12 @@ class Catalog:
             ckpt = self.open(step)
         except (FormatError, CheckpointNotFoundError) as exc:
             return VerifyReport(step, False, 0, time.perf_counter() - start, [str(exc)])
+        notes = []
+        if not ckpt.manifest.manifest_verified:
+            notes.append(
+                f"step {step}: the manifest was written with format {ckpt.manifest.format_version} and is not "
+                "covered by a checksum of its own (tensor bytes are)"
+            )
         own = executor is None
         pool = executor or ThreadPoolExecutor(knobs.io_threads(), thread_name_prefix="tiersave-verify")
         try:
@@ -335,7 +343,7 @@ class Catalog:
         finally:
             if own:
                 pool.shutdown()
-        return VerifyReport(step, not errors, checked, time.perf_counter() - start, errors)
+        return VerifyReport(step, not errors, checked, time.perf_counter() - start, errors, notes)
 
     @staticmethod
     def _verify_batch(ckpt: OpenCheckpoint, requests: list[ReadRequest], pool: Executor, errors: list[str]) -> int:

@@ -86,6 +86,15 @@ def test_verify_ok_and_damaged(capsys, populated):
     assert main(["verify", str(populated)]) == 0  # the newest (300) is intact
 
 
+@pytest.mark.parametrize("which", [["--all"], []], ids=["all", "newest"])
+def test_verify_of_a_root_with_nothing_committed_fails_and_says_so(capsys, tmp_path, which):
+    empty = tmp_path / "typo"
+    empty.mkdir()
+    code, doc = run_json(capsys, "verify", str(empty), *which)
+    assert code == 1
+    assert "no committed checkpoint" in doc["error"]["message"]
+
+
 def test_export_is_readable_by_safetensors(capsys, populated, tmp_path):
     out_file = tmp_path / "model.safetensors"
     code, doc = run_json(capsys, "export", str(populated), "--step", "300", "--to", str(out_file))

@@ -6,6 +6,7 @@ import argparse
 import math
 from typing import Any
 
+from ..errors import CheckpointNotFoundError
 from ..units import human_bytes, table
 from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag
 
@@ -251,6 +252,8 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
 def _verify(args: argparse.Namespace, out: Output) -> int:
     catalog = _catalog(args.root)
     chosen = catalog.steps() if args.all else catalog.find(args.step)[:1]
+    if not chosen:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {args.root}: nothing to verify")
     reports = []
     for step in chosen:
         out.progress(f"verifying step {step} ...")
@@ -261,6 +264,7 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
         status = "OK" if r.ok else "DAMAGED"
         lines.append(f"step {r.step}: {status}  {human_bytes(r.bytes_checked)} in {r.seconds:.2f} s ({rate:.2f} GB/s)")
         lines.extend(f"    {e}" for e in r.errors)
+        lines.extend(f"    note: {n}" for n in r.notes)
     ok = all(r.ok for r in reports)
     out.emit({"ok": ok, "reports": [r.to_json() for r in reports]}, "\n".join(lines))
     return EXIT_OK if ok else EXIT_FAILURE
