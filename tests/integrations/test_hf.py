@@ -42,7 +42,9 @@ class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
 def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     # Dropout stays on (GPT-2's default 0.1): resuming exactly needs the RNG state too.
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    )
 
 
 class StopAt(TrainerCallback):

@@ -280,6 +280,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             body = json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "tiers": self.checkpointer.tiers})
             fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
             try:
+                os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the pointer from other readers of the run
                 with os.fdopen(fd, "w") as f:
                     f.write(body + "\n")
                     f.flush()
