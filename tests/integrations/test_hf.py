@@ -213,3 +213,24 @@ def test_resume_errors_are_clear(tmp_path):
                 train_dataset=Tokens(8, 1),
                 checkpointer=ckpt,
             )
+
+
+def test_a_plain_trainer_checkpoint_directory_still_resumes_the_trainers_way(tmp_path, reference):
+    from transformers import Trainer
+
+    ref_losses, _ = reference
+    plain = Trainer(
+        model=tiny_gpt2(), args=make_args(tmp_path / "out"), train_dataset=Tokens(SAMPLES, 7), callbacks=[StopAt(4)]
+    )
+    plain.train()
+    assert (tmp_path / "out" / "checkpoint-4").is_dir()
+    migrated = TiersaveTrainer(
+        model=tiny_gpt2(seed=5),
+        args=make_args(tmp_path / "out2"),
+        train_dataset=Tokens(SAMPLES, 7),
+        checkpointer=tmp_path / "ckpt",
+    )
+    migrated.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
+    assert losses(migrated) == ref_losses
+    assert [c.step for c in migrated.checkpointer.list()][-1] == 12  # from then on, saves go to tiersave
+    migrated.checkpointer.close()
