@@ -1,0 +1,345 @@
+"""Lightning integration: a ``CheckpointIO`` plugin that stores Lightning's checkpoints with tiersave.
+
+Scope: ``TiersaveCheckpointIO``, which Lightning's ``Trainer(plugins=[...])`` uses for every checkpoint it
+writes (``ModelCheckpoint``, ``trainer.save_checkpoint``) and reads (``trainer.fit(ckpt_path=...)``,
+``"last"``, ``"best"``). Anti-scope: multi-process strategies' sharded checkpoints (Lightning hands a
+``CheckpointIO`` only rank 0's full dict), remote ``.ckpt`` paths.
+
+How it maps Lightning's paths onto tiersave's steps: the checkpoint dict is saved asynchronously as the
+tiersave checkpoint of its ``global_step`` (``Checkpointer.save_async``: training blocks only while the
+tensors are staged), and the ``.ckpt`` path Lightning asked for becomes a small JSON *pointer* naming that
+step, written atomically once the checkpoint is committed. So everything Lightning does with files keeps
+working: ``ModelCheckpoint``'s top-k bookkeeping, ``last.ckpt`` (copy or link), ``ckpt_path="last"``, and
+its rotation (``remove_checkpoint`` deletes the pointer, and the stored checkpoint once no pointer names
+it). A second save at the same step (``save_last=True``) points to the same stored checkpoint.
+
+Lightning's dict carries Python objects (hyper-parameters, loop state, callback state). Everything the
+pickle-free format holds is stored (dicts, lists, tuples, numbers, strings, tensors, numpy arrays, objects
+with ``state_dict()``); anything else fails the save with ``UnsupportedStateError`` naming its key, e.g.
+``hyper_parameters.transform``. Restored values come back as those plain types (tensors on the CPU).
+
+Example::
+
+    from tiersave.integrations.lightning import TiersaveCheckpointIO
+
+    io = TiersaveCheckpointIO("/checkpoints/run1")
+    trainer = L.Trainer(plugins=[io], callbacks=[ModelCheckpoint("ckpt", monitor="val_loss", save_last=True)])
+    trainer.fit(model, data, ckpt_path="last")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+import tiersave
+from tiersave.errors import CheckpointNotFoundError, ConfigError, FormatError, SaveTimeoutError, StorageError
+from tiersave.policy import CheckpointLike
+
+if TYPE_CHECKING:  # the lazy re-exports of ``tiersave`` are invisible to mypy; same classes
+    from tiersave.checkpointer import Checkpointer
+    from tiersave.handle import SaveHandle
+    from tiersave.rng import RNGState
+else:
+    Checkpointer = tiersave.Checkpointer
+    RNGState = tiersave.RNGState
+
+__all__ = ["POINTER_FORMAT", "TiersaveCheckpointIO", "read_pointer"]
+
+POINTER_FORMAT = "tiersave-lightning-pointer"
+_METRIC_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-/]{0,127}$")  # what save(metrics=...) accepts
+RNG_KEY = "tiersave_rng"
+"""Key under which the global RNG states (Python, numpy, torch, CUDA) are stored next to Lightning's dict:
+Lightning does not save them, and the next epoch's shuffling and dropout depend on them."""
+
+
+def read_pointer(path: str | os.PathLike[str]) -> int:
+    """The tiersave step a ``.ckpt`` pointer written by :class:`TiersaveCheckpointIO` names.
+
+    Raises:
+        CheckpointNotFoundError: no file at ``path``.
+        FormatError: the file is not such a pointer (a ``torch.save`` ``.ckpt`` is never unpickled).
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4097)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint file at {os.fspath(path)}") from None
+    try:
+        data = json.loads(raw) if len(raw) <= 4096 else None
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or data.get("format") != POINTER_FORMAT or type(data.get("step")) is not int:
+        raise FormatError(
+            f"{os.fspath(path)} is not a tiersave checkpoint pointer (a torch.save .ckpt? tiersave never "
+            "unpickles; load it without the TiersaveCheckpointIO plugin)"
+        )
+    step: int = data["step"]
+    return step
+
+
+class _Without:
+    """Retention that keeps every checkpoint except ``steps`` (what no pointer names any more)."""
+
+    def __init__(self, steps: frozenset[int]) -> None:
+        self.steps = steps
+
+    def keep(self, checkpoints: Sequence[CheckpointLike]) -> frozenset[int]:
+        return frozenset(c.step for c in checkpoints if c.step not in self.steps)
+
+    def __str__(self) -> str:
+        return f"all but {sorted(self.steps)}"
+
+
+class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
+    """Lightning ``CheckpointIO`` that saves asynchronously with tiersave (see the module docstring).
+
+    Args:
+        checkpointer: a :class:`tiersave.Checkpointer` without retention of its own (``ModelCheckpoint``
+            decides what is kept), or a root path/URI to make one.
+        rng: also store the global RNG states and restore them on load, which an exact resume needs
+            (Lightning's dict has none).
+        timeout_s: the longest a wait for a save may take (teardown, a load right after a save);
+            default the checkpointer's ``exit_timeout_s``.
+
+    Raises:
+        ConfigError: the checkpointer has a ``keep_last`` retention.
+    """
+
+    def __init__(
+        self,
+        checkpointer: Checkpointer | str | os.PathLike[str],
+        *,
+        rng: bool = True,
+        timeout_s: float | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(checkpointer, Checkpointer):
+            if checkpointer.keep_last is not None:
+                raise ConfigError(
+                    "TiersaveCheckpointIO: the Checkpointer has keep_last set; with Lightning, ModelCheckpoint "
+                    "(save_top_k, save_last) decides what is kept: make the Checkpointer without retention"
+                )
+            self.checkpointer = checkpointer
+        else:
+            self.checkpointer = Checkpointer(checkpointer)
+        self.rng = rng
+        self.timeout_s = float(timeout_s if timeout_s is not None else self.checkpointer.exit_timeout_s)
+        self._lock = threading.Lock()
+        self._handles: dict[int, SaveHandle] = {}  # steps this plugin saved, by step
+        self._jobs: list[tuple[int, Future[None]]] = []  # pointer writes waiting for their commit
+        self._unreferenced: set[int] = set()  # steps whose pointer went away: delete unless named again
+        self._dirs: set[str] = set()  # directories holding our pointers
+        self._error: BaseException | None = None
+        self._writer: ThreadPoolExecutor | None = None
+
+    # -- CheckpointIO contract ---------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Stage ``checkpoint`` as the tiersave checkpoint of its ``global_step`` and return; the pointer at
+        ``path`` appears once it is committed.
+
+        Raises:
+            UnsupportedStateError: a value cannot be stored; the message names its key.
+            ConfigError: ``storage_options``, a remote path, or a dict without ``global_step``.
+            TiersaveError: an earlier save or pointer write failed.
+        """
+        if storage_options is not None:
+            raise ConfigError("TiersaveCheckpointIO does not take storage_options")
+        target = self._local(path)
+        step = checkpoint.get("global_step")
+        if type(step) is not int or step < 0:
+            raise ConfigError(f"Lightning's checkpoint for {target} has no usable global_step ({step!r})")
+        if RNG_KEY in checkpoint:
+            raise ConfigError(f"the checkpoint already has a key {RNG_KEY!r}, which TiersaveCheckpointIO reserves")
+        self._raise_error()
+        handle = self._handles.get(step)
+        if handle is None or handle.failed():
+            self._delete_unreferenced(wait=True)
+            state = dict(checkpoint)
+            if self.rng:
+                state[RNG_KEY] = RNGState()
+            # A save that fails here raises here; whatever failed before it is reported by save_async too.
+            self._handles = {}
+            handle = self.checkpointer.save_async(
+                step,
+                state,
+                metrics=_metrics(checkpoint),
+                metadata={"writer": "tiersave.integrations.lightning", "path": os.fspath(target)},
+            )
+            self._handles = {step: handle}  # only the newest can be asked for again
+        self._point(target, step, handle)
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
+        """Restore the checkpoint the pointer at ``path`` names (tensors on the CPU; Lightning moves them).
+
+        Raises:
+            FormatError: ``path`` is not a tiersave pointer.
+            CheckpointNotFoundError: no pointer, or its checkpoint is no longer stored.
+        """
+        self.flush()  # the pointer may be one whose save is still being written
+        step = read_pointer(self._local(path))
+        state: dict[str, Any] = self.checkpointer.restore(step)
+        saved_rng = state.pop(RNG_KEY, None)
+        if self.rng and saved_rng is not None:
+            RNGState().load_state_dict(saved_rng)
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the pointer at ``path``; the stored checkpoint goes once no pointer names it."""
+        target = self._local(path)
+        if not os.path.lexists(target):
+            return
+        try:
+            step: int | None = None if os.path.islink(target) else read_pointer(target)
+        except FormatError:
+            step = None  # not ours: removing the file is all Lightning asked for
+        os.unlink(target)
+        if step is not None:
+            with self._lock:
+                self._unreferenced.add(step)
+
+    def teardown(self) -> None:
+        """Wait for the last save and its pointers, apply pending deletions, re-raise any failure."""
+        self.flush()
+        self._delete_unreferenced(wait=False)
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    def close(self) -> None:
+        """``teardown()``, then close the checkpointer."""
+        try:
+            self.teardown()
+        finally:
+            self.checkpointer.close(self.timeout_s)
+
+    def flush(self) -> None:
+        """Wait until every save and pointer write so far is done.
+
+        Raises:
+            SaveTimeoutError: not done within ``timeout_s``.
+            TiersaveError: a save failed.
+        """
+        # Checkpointer.wait would re-raise a save that failed synchronously, already raised to Lightning.
+        if not self.checkpointer.wait(self.timeout_s, raise_errors=False):
+            raise SaveTimeoutError(f"a checkpoint save did not finish within {self.timeout_s:.0f} s")
+        for handle in list(self._handles.values()):
+            err = handle.exception() if handle.failed() else None
+            if err is not None:
+                self._handles = {}
+                raise err
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+        for step, job in jobs:
+            try:
+                job.result(self.timeout_s)
+            except FutureTimeout:
+                raise SaveTimeoutError(
+                    f"the pointer of step {step} was not written in {self.timeout_s:.0f} s"
+                ) from None
+        self._raise_error()
+
+    # -- pointers ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _local(path: Any) -> Path:
+        text = os.fspath(path)
+        if "://" in text and not text.startswith("file://"):
+            raise ConfigError(f"TiersaveCheckpointIO writes its .ckpt pointers on a local path, got {text}")
+        return Path(text.removeprefix("file://"))
+
+    def _point(self, target: Path, step: int, handle: SaveHandle) -> None:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="tiersave-lightning-pointer")
+        job = self._writer.submit(self._write_pointer, target, step, handle)
+        with self._lock:
+            self._jobs.append((step, job))
+            self._dirs.add(os.fspath(target.parent))
+
+    def _write_pointer(self, target: Path, step: int, handle: SaveHandle) -> None:
+        try:
+            if not handle.wait(self.timeout_s) or handle.failed():
+                return  # the save's own error reaches the caller through the checkpointer
+            try:
+                replaced: int | None = read_pointer(target)
+            except (CheckpointNotFoundError, FormatError):
+                replaced = None
+            target.parent.mkdir(parents=True, exist_ok=True)
+            body = json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "tiers": self.checkpointer.tiers})
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+            try:
+                os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the pointer from other readers of the run
+                with os.fdopen(fd, "w") as f:
+                    f.write(body + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target)  # a reader sees the old pointer or the new one, never half of one
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            if replaced is not None and replaced != step:
+                with self._lock:
+                    self._unreferenced.add(replaced)
+        except BaseException as exc:
+            self._error = StorageError(f"could not write the checkpoint pointer {target} for step {step}: {exc}")
+
+    def _raise_error(self) -> None:
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def _delete_unreferenced(self, *, wait: bool) -> None:
+        with self._lock:
+            candidates = set(self._unreferenced)
+        if not candidates:
+            return
+        if wait and not self.checkpointer.wait(self.timeout_s, raise_errors=False):
+            raise SaveTimeoutError(f"a checkpoint save did not finish within {self.timeout_s:.0f} s")
+        with self._lock:
+            named = {step for step, job in self._jobs if not job.done()}
+            dirs = list(self._dirs)
+        for directory in dirs:
+            for entry in Path(directory).glob("*"):
+                try:
+                    named.add(read_pointer(entry))
+                except (CheckpointNotFoundError, FormatError, OSError):
+                    continue
+        doomed = frozenset(candidates - named)
+        with self._lock:
+            self._unreferenced -= candidates
+        if doomed:
+            deleted = self.checkpointer.prune(policy=_Without(doomed))
+            kept = doomed - set(deleted)
+            if kept:  # e.g. a tier's newest checkpoint, which retention never deletes
+                with self._lock:
+                    self._unreferenced |= kept
+
+
+def _metrics(checkpoint: dict[str, Any]) -> dict[str, float]:
+    """``ModelCheckpoint``'s monitored scores, recorded as tiersave metrics (for ``tiersave ls`` and
+    metric-based retention by hand)."""
+    out: dict[str, float] = {}
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        if not (isinstance(key, str) and key.startswith("ModelCheckpoint") and isinstance(state, dict)):
+            continue
+        monitor, score = state.get("monitor"), state.get("current_score")
+        if isinstance(monitor, str) and score is not None:
+            try:
+                value = float(score)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(value) and _METRIC_RE.match(monitor):
+                out.setdefault(monitor, value)
+    return out

@@ -1,0 +1,236 @@
+"""TiersaveTrainer with the real ``transformers`` Trainer on a tiny GPT-2 built from a config (no download):
+an interrupted and resumed run equals an uninterrupted one bit for bit; keep-best retention."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+import tiersave
+from tiersave.integrations.hf import TiersaveTrainer, retention_for
+from tiersave.tiers import Tier
+
+pytestmark = pytest.mark.timeout(180)
+
+VOCAB, SEQ, SAMPLES, BATCH = 64, 16, 24, 4  # 6 optimizer steps per epoch, 2 epochs
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, n: int, seed: int) -> None:
+        self.x = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    # Dropout stays on (GPT-2's default 0.1): resuming exactly needs the RNG state too.
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    )
+
+
+class StopAt(TrainerCallback):
+    """Interrupts training after a step, as a crash or preemption right after that step's save would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def make_args(out: Path, **overrides: Any) -> TrainingArguments:
+    kwargs: dict[str, Any] = {
+        "output_dir": str(out),
+        "per_device_train_batch_size": BATCH,
+        "per_device_eval_batch_size": BATCH,
+        "num_train_epochs": 2,
+        "learning_rate": 3e-3,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": 2,
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "report_to": "none",
+        "use_cpu": True,
+        "seed": 1234,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+    }
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def losses(trainer: Any) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def mem_uri():
+    name = f"test-hf-{uuid.uuid4().hex[:12]}"
+    yield f"mem://{name}"
+    shutil.rmtree(f"/dev/shm/tiersave/{name}", ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """The uninterrupted run, with the plain Trainer (no tiersave involved)."""
+    from transformers import Trainer
+
+    out = tmp_path_factory.mktemp("reference")
+    trainer = Trainer(model=tiny_gpt2(), args=make_args(out, save_strategy="no"), train_dataset=Tokens(SAMPLES, 7))
+    trainer.train()
+    return losses(trainer), weights(trainer.model)
+
+
+@pytest.mark.parametrize("stop_at", [6, 8], ids=["epoch-boundary", "mid-epoch"])
+def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, mem_uri, reference, stop_at):
+    ref_losses, ref_weights = reference
+    assert sorted(ref_losses) == list(range(1, 13))
+    disk = tmp_path / "ckpt"
+
+    def checkpointer() -> tiersave.Checkpointer:
+        return tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(disk, keep=3)])
+
+    first = TiersaveTrainer(
+        model=tiny_gpt2(),
+        args=make_args(tmp_path / "out"),
+        train_dataset=Tokens(SAMPLES, 7),
+        callbacks=[StopAt(stop_at)],
+        checkpointer=checkpointer(),
+    )
+    first.train()
+    assert first.state.global_step == stop_at
+    first.checkpointer.close()
+    # The Trainer wrote no checkpoint-N directories of its own: every save went to the tiers.
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+    # Saves went to both tiers: all in memory, to disk as fast as its drain keeps up (it may thin them out).
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(disk)]) as both:
+        held = {c.step: c.tiers for c in both.list()}
+    assert max(held) == stop_at and all(s % 2 == 0 for s in held)
+    assert any(len(tiers) == 2 for tiers in held.values())
+
+    # A new process would build everything anew: a differently initialised model proves the weights come
+    # from the checkpoint.
+    resumed = TiersaveTrainer(
+        model=tiny_gpt2(seed=99),
+        args=make_args(tmp_path / "out"),
+        train_dataset=Tokens(SAMPLES, 7),
+        checkpointer=checkpointer(),
+    )
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.checkpointer.last_restore is not None and resumed.checkpointer.last_restore.step == stop_at
+    got = losses(resumed)
+    assert sorted(got) == list(range(1, 13))
+    mismatched = {s: (got[s], ref_losses[s]) for s in got if got[s] != ref_losses[s]}
+    assert not mismatched, f"losses differ from the uninterrupted run at steps {mismatched}"
+    final = weights(resumed.model)
+    assert all(torch.equal(final[k], ref_weights[k]) for k in ref_weights)
+    resumed.checkpointer.close()
+
+
+def test_keep_best_retention_keeps_the_best_by_eval_metric_and_loads_it_at_end(tmp_path):
+    # A scripted evaluation score (higher is better) whose best is early, so rotation would drop it.
+    scores = {2: 0.5, 4: 0.9, 6: 0.3, 8: 0.7, 10: 0.2, 12: 0.1}
+    holder: dict[str, Any] = {}
+
+    def compute_metrics(_pred: Any) -> dict[str, float]:
+        return {"score": scores[holder["trainer"].state.global_step]}
+
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    class Snapshot(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            seen[state.global_step] = weights(model)
+
+    args = make_args(
+        tmp_path / "out",
+        eval_strategy="steps",
+        eval_steps=2,
+        save_total_limit=1,
+        metric_for_best_model="score",
+        greater_is_better=True,
+        load_best_model_at_end=True,
+    )
+    trainer = TiersaveTrainer(
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=Tokens(SAMPLES, 7),
+        eval_dataset=Tokens(8, 3),
+        compute_metrics=compute_metrics,
+        callbacks=[Snapshot()],
+        checkpointer=tmp_path / "ckpt",
+    )
+    holder["trainer"] = trainer
+    trainer.train()
+    ckpt = trainer.checkpointer
+    assert [c.step for c in ckpt.list()] == [4, 12]  # the best (by eval_score) and the newest
+    assert ckpt.info(4).metrics["eval_score"] == 0.9 and "best" in ckpt.info(4).tags
+    assert trainer.state.best_global_step == 4 and trainer.state.best_metric == 0.9
+    assert all(torch.equal(v, seen[4][k]) for k, v in trainer.model.state_dict().items())  # best loaded at end
+    ckpt.restore(tag="best")
+    assert ckpt.last_restore is not None and ckpt.last_restore.step == 4
+    assert str(retention_for(args)) == "last=1,best=1:eval_score:max"
+    ckpt.close()
+
+
+def test_resume_errors_are_clear(tmp_path):
+    with tiersave.Checkpointer(tmp_path / "ckpt") as ckpt:
+        trainer = TiersaveTrainer(
+            model=tiny_gpt2(), args=make_args(tmp_path / "out"), train_dataset=Tokens(8, 1), checkpointer=ckpt
+        )
+        with pytest.raises(tiersave.CheckpointNotFoundError, match="no checkpoint"):
+            trainer.train(resume_from_checkpoint=True)
+        with pytest.raises(tiersave.ConfigError, match="step number"):
+            trainer.train(resume_from_checkpoint=str(tmp_path / "nowhere"))
+        with pytest.raises(tiersave.ConfigError, match="save_total_limit"):
+            TiersaveTrainer(
+                model=tiny_gpt2(),
+                args=make_args(tmp_path / "out", save_total_limit=2),
+                train_dataset=Tokens(8, 1),
+                checkpointer=ckpt,
+            )
+
+
+def test_a_plain_trainer_checkpoint_directory_still_resumes_the_trainers_way(tmp_path, reference):
+    from transformers import Trainer
+
+    ref_losses, _ = reference
+    plain = Trainer(
+        model=tiny_gpt2(), args=make_args(tmp_path / "out"), train_dataset=Tokens(SAMPLES, 7), callbacks=[StopAt(4)]
+    )
+    plain.train()
+    assert (tmp_path / "out" / "checkpoint-4").is_dir()
+    migrated = TiersaveTrainer(
+        model=tiny_gpt2(seed=5),
+        args=make_args(tmp_path / "out2"),
+        train_dataset=Tokens(SAMPLES, 7),
+        checkpointer=tmp_path / "ckpt",
+    )
+    migrated.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
+    assert losses(migrated) == ref_losses
+    assert [c.step for c in migrated.checkpointer.list()][-1] == 12  # from then on, saves go to tiersave
+    migrated.checkpointer.close()

@@ -1,0 +1,155 @@
+"""TiersaveCheckpointIO with the real ``lightning`` Trainer: ModelCheckpoint (top-k by a validation metric,
+last) writes through tiersave, ``fit(ckpt_path="last")`` resumes bit for bit, rotation removes what no
+pointer names, and what the pickle-free format cannot hold fails naming its key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+import tiersave  # noqa: E402
+from tiersave.integrations.lightning import TiersaveCheckpointIO, read_pointer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, hidden: int = 32, lr: float = 0.01, extra: Any = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        # Dropout: the resumed epochs must draw the same masks, so the RNG state must be restored too.
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1)
+        )
+
+    def training_step(self, batch: Any, _idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, _idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)}
+
+
+class Data(L.LightningDataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(80, 8, generator=g)
+        y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(80, 1, generator=g)
+        self.train = torch.utils.data.TensorDataset(x[:64], y[:64])
+        self.val = torch.utils.data.TensorDataset(x[64:], y[64:])
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.train, batch_size=8, shuffle=True)  # 8 steps per epoch
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.val, batch_size=8)
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        self.by_step: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.by_step[trainer.global_step] = outputs["loss"].item()
+
+
+def make_trainer(max_epochs: int, *callbacks: Any, plugins: Any = None) -> Any:
+    return L.Trainer(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        callbacks=list(callbacks),
+        plugins=plugins,
+    )
+
+
+def model(seed: int, **kwargs: Any) -> Regressor:
+    L.seed_everything(seed)
+    return Regressor(**kwargs)
+
+
+def test_resume_from_last_is_exact_and_rotation_follows_model_checkpoint(tmp_path):
+    reference_losses = Losses()
+    reference = model(0)
+    make_trainer(4, reference_losses).fit(reference, Data())
+    assert sorted(reference_losses.by_step) == list(range(1, 33))
+
+    root, ckdir = tmp_path / "tiersave", tmp_path / "ckpt"
+
+    def checkpoint_callback() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=ckdir, monitor="val_loss", save_top_k=1, save_last=True)
+
+    first_losses = Losses()
+    io = TiersaveCheckpointIO(root)
+    make_trainer(2, first_losses, checkpoint_callback(), plugins=[io]).fit(model(0), Data())
+    io.close()  # the process ends here; a new one resumes
+
+    # Pointers: the best epoch and last.ckpt; stored: only the steps they name (rotation went through).
+    pointers = {p.name: read_pointer(p) for p in ckdir.glob("*.ckpt")}
+    assert "last.ckpt" in pointers and pointers["last.ckpt"] == 16 and len(pointers) == 2
+    assert json.loads((ckdir / "last.ckpt").read_text())["format"] == "tiersave-lightning-pointer"
+    with tiersave.Checkpointer(root) as ckpt:
+        assert {c.step for c in ckpt.list()} == set(pointers.values())
+        assert "val_loss" in ckpt.info(16).metrics
+
+    resumed_losses = Losses()
+    io = TiersaveCheckpointIO(root)
+    resumed = model(123)  # other initial weights: they must come from the checkpoint
+    make_trainer(4, resumed_losses, checkpoint_callback(), plugins=[io]).fit(resumed, Data(), ckpt_path="last")
+    assert sorted(resumed_losses.by_step) == list(range(17, 33))
+    mismatched = {
+        s: (v, reference_losses.by_step[s])
+        for s, v in resumed_losses.by_step.items()
+        if v != reference_losses.by_step[s]
+    }
+    assert not mismatched, f"resumed losses differ from the uninterrupted run at steps {mismatched}"
+    want = reference.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in resumed.state_dict().items())
+    pointers = {p.name: read_pointer(p) for p in ckdir.glob("*.ckpt")}
+    assert pointers["last.ckpt"] == 32
+    assert {c.step for c in io.checkpointer.list()} == set(pointers.values())
+    io.close()
+
+
+def test_unsupported_hyperparameter_fails_naming_its_key(tmp_path):
+    io = TiersaveCheckpointIO(tmp_path / "tiersave")
+    trainer = make_trainer(1, ModelCheckpoint(dirpath=tmp_path / "ckpt"), plugins=[io])
+    # A Path pickles (Lightning keeps it in the hyper-parameters) but is no value of the pickle-free format.
+    with pytest.raises(tiersave.UnsupportedStateError, match=r"hyper_parameters\.extra.*pathlib"):
+        trainer.fit(model(0, extra=Path("data/train")), Data())
+    io.close()
+    assert not list((tmp_path / "ckpt").glob("*.ckpt"))
+
+
+def test_plain_hyperparameters_round_trip_and_foreign_files_are_refused(tmp_path):
+    io = TiersaveCheckpointIO(tmp_path / "tiersave")
+    trainer = make_trainer(1, plugins=[io])
+    trainer.fit(model(0, extra={"layers": [1, 2], "name": "x", "dims": (3, 4)}), Data())
+    path = tmp_path / "manual.ckpt"
+    trainer.save_checkpoint(path)
+    loaded = io.load_checkpoint(path)  # waits for the save behind the pointer
+    assert loaded["hyper_parameters"]["extra"] == {"layers": [1, 2], "name": "x", "dims": (3, 4)}
+    assert loaded["global_step"] == 8 and "tiersave_rng" not in loaded
+    assert torch.equal(loaded["state_dict"]["net.0.weight"], trainer.lightning_module.net[0].weight)
+    foreign = tmp_path / "torch.ckpt"
+    torch.save({"a": 1}, foreign)
+    with pytest.raises(tiersave.FormatError, match="not a tiersave checkpoint pointer"):
+        io.load_checkpoint(foreign)
+    io.close()
