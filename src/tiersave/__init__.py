@@ -44,12 +44,15 @@ _LAZY: dict[str, str] = {
 }
 
 if _typing.TYPE_CHECKING:  # pragma: no cover
-    from .catalog import CheckpointInfo, VerifyReport  # noqa: F401
-    from .checkpointer import Checkpointer  # noqa: F401
-    from .handle import SaveHandle, SaveStats  # noqa: F401
-    from .restore import RestoreReport  # noqa: F401
-    from .rng import RNGState  # noqa: F401
-    from .tiers import Tier  # noqa: F401
+    # `import X as X` marks an explicit re-export, so type checkers see the lazily loaded names
+    from .catalog import CheckpointInfo as CheckpointInfo
+    from .catalog import VerifyReport as VerifyReport
+    from .checkpointer import Checkpointer as Checkpointer
+    from .handle import SaveHandle as SaveHandle
+    from .handle import SaveStats as SaveStats
+    from .restore import RestoreReport as RestoreReport
+    from .rng import RNGState as RNGState
+    from .tiers import Tier as Tier
 
 __all__ = [
     "AlreadyExistsError",

@@ -11,9 +11,10 @@ A ``Checkpointer`` owns an ordered chain of tiers, fastest first, e.g.::
 The first tier receives every save (it is where staging writes). Every later tier receives the saves its
 cadence selects (``every`` N-th save, or at most one per ``every_s`` seconds), copied in the background
 from the first tier by that tier's own drain thread, verified chunk by chunk and committed with the
-tier's own commit protocol; each tier acknowledges a checkpoint only once it is durable there. A tier
-whose drain takes longer than the saves arrive gets every N-th checkpoint instead (a warning says so),
-never an ever-growing queue. Retention runs per tier after each commit there and never deletes a
+tier's own commit protocol; each tier acknowledges a checkpoint only once it is durable there. A save due
+while the tier is still busy is deferred and copied as soon as the tier is idle (the newest deferred one:
+never an ever-growing queue), so the newest checkpoint always reaches every tier it is due on. A tier found
+busy twice in a row gets every N-th checkpoint instead (a warning says so). Retention runs per tier after each commit there and never deletes a
 checkpoint that a drain or a restore is reading, nor the newest checkpoint durable on that tier.
 
 Scope: the tier model (:class:`Tier`), each tier's runtime state (:class:`TierRuntime`) and the chain at
@@ -141,6 +142,8 @@ class TierRuntime:
         self.widened_every = 1
         self.last_drain_s = 0.0
         self.skipped = 0
+        self.busy_streak = 0  # consecutive due saves that found the drain busy
+        self.behind: int | None = None  # newest due save skipped while busy: drained as soon as the tier is idle
         self.busy: Future[object] | None = None
         self.drainer: DaemonThreadPool | None = None
         self.copier: DaemonThreadPool | None = None
@@ -243,6 +246,7 @@ class TierChain:
         self.protection = Protection()
         self.events = _event_log(self.tiers) if event_log else None
         self._tier_every = tier_every
+        self._lock = threading.Lock()  # a tier's busy/behind state: the commit thread and its drain thread
         self._last_commit_mono: float | None = None
         self._save_period_s: float | None = None
 
@@ -340,28 +344,47 @@ class TierChain:
         self.retain(self.first, self.first.policy)
 
     def _send(self, tier: TierRuntime, handle: SaveHandle, now: float) -> None:
-        """Queue the drain of ``handle``'s checkpoint to ``tier``; a tier still busy with an earlier one
-        cannot keep up: this save is not sent to it and its cadence is widened (a warning says so)."""
+        """Queue the drain of ``handle``'s checkpoint to ``tier``. A tier still busy with an earlier drain
+        does not queue it: it remembers it as the save to catch up on (drained as soon as the tier is idle,
+        so the newest checkpoint reaches every tier), and a tier found busy twice in a row cannot keep up:
+        its cadence is widened (a warning says so)."""
         if tier.drainer is None:
             return
-        if tier.busy is not None and not tier.busy.done():
-            tier.skipped += 1
-            running = now - (tier.last_sent_mono or now)
-            tier.widened_every = max(tier.every + 1, self._needed_every(max(tier.last_drain_s, running)))
+        with self._lock:
+            if tier.busy is not None and not tier.busy.done():
+                tier.skipped += 1
+                tier.busy_streak += 1
+                if tier.behind is not None:
+                    self.protection.release(0, tier.behind)  # superseded by a newer save to catch up on
+                tier.behind = handle.step
+                self.protection.hold(0, handle.step)  # the catch-up's source must outlive it
+                running = now - (tier.last_sent_mono or now)
+                widen = tier.busy_streak >= 2
+                if widen:
+                    tier.widened_every = max(tier.every + 1, self._needed_every(max(tier.last_drain_s, running)))
+            else:
+                tier.busy_streak = 0
+                if tier.behind is not None:  # this newer save supersedes the one waiting to catch up
+                    self.protection.release(0, tier.behind)
+                    tier.behind = None
+                widen = None
+        if widen is not None:
             self.log(
                 {
                     "step": handle.step,
                     "tier": tier.name,
-                    "outcome": "drain_skipped",
+                    "outcome": "drain_deferred",
                     "time": time.time(),
-                    "reason": "previous drain still running",
+                    "reason": "previous drain still running; sent when it ends unless a newer save is",
                 }
             )
-            background_warning(
-                f"tier {tier.name} ({tier.storage.uri}) cannot keep up: it is still copying an earlier checkpoint "
-                f"({running:.1f} s so far), so step {handle.step} is not sent to it; it now gets every "
-                f"{tier.every}-th checkpoint (configured: every {tier.spec.every}; {tier.skipped} skipped so far)"
-            )
+            if widen:
+                background_warning(
+                    f"tier {tier.name} ({tier.storage.uri}) cannot keep up: it is still copying an earlier "
+                    f"checkpoint ({running:.1f} s so far) for the second save in a row; it now gets every "
+                    f"{ordinal(tier.every)} checkpoint (configured: every {ordinal(tier.spec.every)}; the newest "
+                    f"is sent as soon as it is idle; {tier.skipped} deferred so far)"
+                )
             return
         future: Future[CheckpointInfo | None] = Future()
         handle.tiers[tier.name] = future
@@ -379,6 +402,24 @@ class TierChain:
         return max(1, math.ceil(drain_s / period)) if period and period > 0 else 1
 
     def _drain(self, tier: TierRuntime, step: int, future: Future[CheckpointInfo | None]) -> None:
+        """Drain thread: copy ``step`` to ``tier``; then, while a newer save waits to catch up, copy it too
+        (in this same task, so whoever waits for the drain queue waits for the catch-up as well)."""
+        while True:
+            if not self._drain_one(tier, step, future):
+                return
+            with self._lock:
+                behind, tier.behind = tier.behind, None
+            if behind is None or behind <= step:
+                if behind is not None:
+                    self.protection.release(0, behind)
+                return
+            step, future = behind, Future()  # its hold, taken when it was deferred, passes to this drain
+            tier.sent += 1
+            tier.last_sent_mono = time.monotonic()
+            self.log({"step": step, "tier": tier.name, "outcome": "catch_up", "time": time.time()})
+
+    def _drain_one(self, tier: TierRuntime, step: int, future: Future[CheckpointInfo | None]) -> bool:
+        """Copy one checkpoint to ``tier``, release its source, apply the tier's retention. Returns success."""
         source = self.first
         started, started_wall = time.perf_counter(), time.time()
         try:
@@ -394,7 +435,7 @@ class TierChain:
                 f"safe on {source.name}, and the next due save will be sent again"
             )
             future.set_exception(exc)  # after the warning: whoever waits on the future has seen both
-            return
+            return False
         self.protection.release(0, step)
         seconds = time.perf_counter() - started
         tier.last_drain_s = seconds
@@ -413,6 +454,7 @@ class TierChain:
         if tier.widened_every > 1:  # a widened tier whose drains got faster returns toward its cadence
             tier.widened_every = min(tier.widened_every, self._needed_every(tier.last_drain_s))
         self.retain(tier, tier.policy)
+        return True
 
     # -- retention --------------------------------------------------------------------------------
 
@@ -441,6 +483,12 @@ class TierChain:
             if runtime.storage.capabilities.atomic_rename:
                 runtime.catalog.clean_leftovers()
         return sorted(set(deleted))
+
+
+def ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``22nd``..."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _first_valid(step: int, holders: Sequence[TierRuntime]) -> CheckpointInfo | None:

@@ -39,24 +39,16 @@ import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import transformers
 from transformers import Trainer, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
-import tiersave
+from tiersave import Checkpointer, RNGState, Tier
 from tiersave.errors import CheckpointNotFoundError, ConfigError, SaveTimeoutError, StateMismatchError
 from tiersave.policy import KeepBest, KeepLast, RetentionPolicy
-from tiersave.tiers import Tier
-
-if TYPE_CHECKING:  # the lazy re-exports of ``tiersave`` are invisible to mypy; same classes
-    from tiersave.checkpointer import Checkpointer
-    from tiersave.rng import RNGState
-else:
-    Checkpointer = tiersave.Checkpointer
-    RNGState = tiersave.RNGState
 
 __all__ = ["TiersaveTrainer", "best_metric_name", "retention_for"]
 

@@ -39,21 +39,13 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-import tiersave
+from tiersave import Checkpointer, RNGState, SaveHandle
 from tiersave.errors import CheckpointNotFoundError, ConfigError, FormatError, SaveTimeoutError, StorageError
 from tiersave.policy import CheckpointLike
-
-if TYPE_CHECKING:  # the lazy re-exports of ``tiersave`` are invisible to mypy; same classes
-    from tiersave.checkpointer import Checkpointer
-    from tiersave.handle import SaveHandle
-    from tiersave.rng import RNGState
-else:
-    Checkpointer = tiersave.Checkpointer
-    RNGState = tiersave.RNGState
 
 __all__ = ["POINTER_FORMAT", "TiersaveCheckpointIO", "read_pointer"]
 
