@@ -14,8 +14,9 @@ from the first tier by that tier's own drain thread, verified chunk by chunk and
 tier's own commit protocol; each tier acknowledges a checkpoint only once it is durable there. A save due
 while the tier is still busy is deferred and copied as soon as the tier is idle (the newest deferred one:
 never an ever-growing queue), so the newest checkpoint always reaches every tier it is due on. A tier found
-busy twice in a row gets every N-th checkpoint instead (a warning says so). Retention runs per tier after each commit there and never deletes a
-checkpoint that a drain or a restore is reading, nor the newest checkpoint durable on that tier.
+busy twice in a row gets every N-th checkpoint instead (a warning says so). Retention runs per tier after
+each commit there and never deletes a checkpoint that a drain or a restore is reading, nor the newest
+checkpoint durable on that tier.
 
 Scope: the tier model (:class:`Tier`), each tier's runtime state (:class:`TierRuntime`) and the chain at
 run time (:class:`TierChain`): which tiers hold which step, what happens after the first tier commits (cadence,
