@@ -18,7 +18,7 @@ MARGIN_S = 6.0  # scheduling slack on 2 shared cores; the bound still proves "no
 
 
 def test_hung_rank_is_named_on_every_other_rank_within_the_timeout(launch: Callable[..., Any]) -> None:
-    job = launch("hang", 3, env={"TIERSAVE_DIST_TIMEOUT": str(TIMEOUT_S)})
+    job = launch("hang", 3, env={"TIERSAVE_DIST_TIMEOUT": str(TIMEOUT_S), "TIERSAVE_DIST_VICTIM": "2"})
     survivors = [job.rank(0)["vote"], job.rank(1)["vote"]]
     for outcome in survivors:
         assert outcome["ok"] is False
@@ -35,6 +35,17 @@ def test_hung_rank_is_named_on_every_other_rank_within_the_timeout(launch: Calla
         assert job.rank(r)["poisoned"] is True
     # The sleeper wakes after everyone gave up: it raises too (rank 0's failure notice or a closed connection).
     assert job.rank(2)["vote"]["ok"] is False and job.rank(2)["poisoned"] is True
+
+
+def test_hung_coordinator_is_named_after_the_reply_deadline(launch: Callable[..., Any]) -> None:
+    # Followers wait timeout_s (rank 0's gathering) plus the commit allowance (default: timeout_s again).
+    job = launch("hang", 2, env={"TIERSAVE_DIST_TIMEOUT": "2", "TIERSAVE_DIST_VICTIM": "0"})
+    outcome = job.rank(1)["vote"]
+    assert outcome["ok"] is False and list(outcome["failures"]) == ["0"]
+    assert outcome["failures"]["0"][0] == "TimeoutError"
+    assert "no answer from rank 0 within 4 s" in outcome["message"]
+    assert 4 * 0.9 <= outcome["elapsed"] <= 4 + MARGIN_S
+    assert job.rank(1)["later"]["ok"] is False and job.rank(1)["poisoned"] is True
 
 
 def test_rank_sigkilled_before_voting_fails_the_survivors_within_the_timeout(launch: Callable[..., Any]) -> None:

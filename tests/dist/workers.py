@@ -103,10 +103,11 @@ def basic(rank: int, world: int, rec: dict[str, Any]) -> None:
 
 
 def hang(rank: int, world: int, rec: dict[str, Any]) -> None:
-    """The last rank sleeps past the timeout before voting."""
+    """Rank $TIERSAVE_DIST_VICTIM sleeps past the others' deadline before voting."""
+    victim = int(os.environ["TIERSAVE_DIST_VICTIM"])
     group = CoordinationGroup(timeout_s=TIMEOUT_S)
-    if rank == world - 1:
-        time.sleep(TIMEOUT_S + 3)
+    if rank == victim:
+        time.sleep(TIMEOUT_S * 2 + 1)
     rec["vote"] = attempt(lambda: vars(group.vote(3, {"rank": rank}, commit=lambda p: "committed")))
     rec["later"] = attempt(lambda: group.agree(3, what="step"))
     rec["poisoned"] = group.poisoned

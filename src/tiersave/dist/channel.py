@@ -116,7 +116,7 @@ class Channel:
                 if self._rank == 0:
                     return self._lead(op, step, header, payload, reply, entered, fail_phase)
                 allowance = self.timeout_s if reply_allowance_s is None else reply_allowance_s
-                return self._follow(op, step, header, payload, entered + self.timeout_s + allowance)
+                return self._follow(op, step, header, payload, entered, self.timeout_s + allowance)
             finally:
                 self._owner = None
 
@@ -244,14 +244,16 @@ class Channel:
         ]
         held.append(out)
         undelivered: dict[int, dict[str, Json]] = {}
+        sends: dict[int, list[Any]] = {}
+        # Every send is posted before any is waited on, so one stuck rank delays nobody's outcome.
         for r in peers:
             try:
-                works = self._send(out, r, (_TAG_DOWN_HEADER, _TAG_DOWN_PAYLOAD))
+                sends[r] = self._send(out, r, (_TAG_DOWN_HEADER, _TAG_DOWN_PAYLOAD))
             except Exception as exc:
                 if r not in lost:
                     undelivered[r] = _comm_report(exc, what=f"sending the {op} outcome to rank {r} failed")
-                continue
-            held.append(works)
+        held.append(sends)
+        for r, works in sends.items():
             if r in lost:
                 continue  # best effort: a late rank may still read it; never wait on a rank known to be gone
             try:
@@ -333,32 +335,34 @@ class Channel:
                 op=op, phase=fail_phase, step=step, summary=summary, failures=failures, poison=False
             ), None
 
-    def _follow(self, op: str, step: int | None, own: Header, own_payload: bytes, deadline: float) -> Json:
-        """Ranks other than 0: send, then wait for rank 0's reply."""
+    def _follow(
+        self, op: str, step: int | None, own: Header, own_payload: bytes, entered: float, budget: float
+    ) -> Json:
+        """Ranks other than 0: send, then wait for rank 0's reply until ``budget`` seconds after ``entered``."""
+        deadline = entered + budget
         up = [torch.tensor(own.words()), _byte_tensor(own_payload)]
         sent: list[Any] = []
         header_buf = torch.zeros(HEADER_WORDS, dtype=torch.int64)
         held: list[object] = [up, sent, header_buf]
-        waited = deadline - time.monotonic()
         try:
             sent += self._send(up, 0, (_TAG_UP_HEADER, _TAG_UP_PAYLOAD))
             self._irecv(header_buf, 0, _TAG_DOWN_HEADER).wait(seconds(deadline - time.monotonic()))
             header = Header.parse(header_buf.tolist())
             problem = self._check_header(header, own, 0)
             if problem is not None or header is None:
-                raise ConnectionError(problem)
+                raise _OutOfStep(problem)
             buf = torch.empty(header.nbytes, dtype=torch.uint8)
             held.append(buf)
             if header.nbytes:
                 self._irecv(buf, 0, _TAG_DOWN_PAYLOAD).wait(seconds(max(deadline - time.monotonic(), self.timeout_s)))
             down = decode_json(buf.numpy().tobytes())
         except Exception as exc:
-            timed_out = "timed out" in str(exc).lower()
-            what = (
-                f"no answer from rank 0 within {waited:g} s (rank 0 hung, dead, or not calling {op})"
-                if timed_out
-                else f"rank 0 unreachable during {op}"
-            )
+            if isinstance(exc, _OutOfStep):
+                what = str(exc)
+            elif "timed out" in str(exc).lower():
+                what = f"no answer from rank 0 within {budget:g} s (rank 0 hung, dead, or not calling {op})"
+            else:
+                what = f"rank 0 unreachable during {op}"
             failure = failure_report(
                 op=op,
                 phase="reply",
@@ -406,6 +410,10 @@ class Channel:
         self.poison = failure_error(failure)
         self._graveyard.append(held)
         return failure_error(failure)
+
+
+class _OutOfStep(ConnectionError):
+    """Rank 0's reply belongs to another call: the ranks' call sequences diverged."""
 
 
 def _byte_tensor(data: bytes) -> torch.Tensor:
