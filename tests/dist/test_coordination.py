@@ -112,6 +112,7 @@ def test_clean_failures_leave_the_group_usable(job: Any) -> None:
     assert [o["value"]["step"] for o in every(job, "vote_last")] == [17] * WORLD
     assert job.rank(0)["calls_end"] == 4
     assert every(job, "poisoned") == [False] * WORLD
+    assert all(t < 10 for t in every(job, "teardown_s"))
 
 
 def test_one_rank_job_needs_no_messages(launch: Callable[..., Any]) -> None:
@@ -121,3 +122,14 @@ def test_one_rank_job_needs_no_messages(launch: Callable[..., Any]) -> None:
     assert rec["identity"]["world_size"] == 1 and rec["all_gather"] == [{"k": UNICODE}]
     assert rec["agree"]["ok"] and rec["vote"]["value"]["result"] == {"payloads": [{"f": 1}]}
     assert rec["vote_no"]["failures"] == {"0": ["OSError", "EIO"]}
+
+
+def test_ranks_making_different_calls_are_named_and_poison_the_group(job: Any) -> None:
+    outcomes = every(job, "out_of_step")
+    assert all(not o["ok"] and list(o["failures"]) in (["2"], ["0"]) for o in outcomes), outcomes
+    assert "rank 2 made a different call (out of step)" in outcomes[0]["message"]
+    assert "rank 2 is at call #" in outcomes[0]["message"] and "(agree)" in outcomes[0]["message"]
+    assert outcomes[0]["message"] == outcomes[1]["message"]  # rank 1 learns it from rank 0
+    assert "(vote)" in outcomes[2]["message"]  # rank 2 sees that rank 0's reply belongs to another call
+    assert job.rank(0)["calls_out_of_step"] == 4  # nothing committed
+    assert every(job, "poisoned_at_end") == [True] * WORLD

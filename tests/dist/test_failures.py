@@ -17,6 +17,13 @@ TIMEOUT_S = 3.0
 MARGIN_S = 6.0  # scheduling slack on 2 shared cores; the bound still proves "no hang"
 
 
+def assert_clean_exit(job: Any, ranks: list[int]) -> None:
+    """These ranks exited 0 and destroy_process_group() returned promptly, poisoned group or not."""
+    for r in ranks:
+        assert job.returncodes[r] == 0, job.logs
+        assert job.rank(r)["teardown_s"] < MARGIN_S
+
+
 def test_hung_rank_is_named_on_every_other_rank_within_the_timeout(launch: Callable[..., Any]) -> None:
     job = launch("hang", 3, env={"TIERSAVE_DIST_TIMEOUT": str(TIMEOUT_S), "TIERSAVE_DIST_VICTIM": "2"})
     survivors = [job.rank(0)["vote"], job.rank(1)["vote"]]
@@ -35,6 +42,7 @@ def test_hung_rank_is_named_on_every_other_rank_within_the_timeout(launch: Calla
         assert job.rank(r)["poisoned"] is True
     # The sleeper wakes after everyone gave up: it raises too (rank 0's failure notice or a closed connection).
     assert job.rank(2)["vote"]["ok"] is False and job.rank(2)["poisoned"] is True
+    assert_clean_exit(job, [0, 1, 2])
 
 
 def test_hung_coordinator_is_named_after_the_reply_deadline(launch: Callable[..., Any]) -> None:
@@ -46,6 +54,7 @@ def test_hung_coordinator_is_named_after_the_reply_deadline(launch: Callable[...
     assert "no answer from rank 0 within 4 s" in outcome["message"]
     assert 4 * 0.9 <= outcome["elapsed"] <= 4 + MARGIN_S
     assert job.rank(1)["later"]["ok"] is False and job.rank(1)["poisoned"] is True
+    assert_clean_exit(job, [0, 1])
 
 
 def test_rank_sigkilled_before_voting_fails_the_survivors_within_the_timeout(launch: Callable[..., Any]) -> None:
@@ -57,6 +66,7 @@ def test_rank_sigkilled_before_voting_fails_the_survivors_within_the_timeout(lau
         assert outcome["ok"] is False and list(outcome["failures"]) == ["2"]
         assert outcome["elapsed"] <= TIMEOUT_S + MARGIN_S
         assert job.rank(r)["poisoned"] is True
+    assert_clean_exit(job, [0, 1])
 
 
 def test_dead_coordinator_fails_the_others_at_once(launch: Callable[..., Any]) -> None:
@@ -68,6 +78,7 @@ def test_dead_coordinator_fails_the_others_at_once(launch: Callable[..., Any]) -
         assert outcome["failures"]["0"][0] == "ConnectionError"  # the closed connection, not a timeout
         assert "rank 0 unreachable during vote" in outcome["message"]
         assert outcome["elapsed"] < TIMEOUT_S
+    assert_clean_exit(job, [1, 2])
 
 
 def test_two_torchrun_nodes_report_their_node_identity(launch_torchrun: Callable[..., Any]) -> None:

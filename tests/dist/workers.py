@@ -101,6 +101,14 @@ def basic(rank: int, world: int, rec: dict[str, Any]) -> None:
     rec["calls_end"] = len(calls)
     rec["poisoned"] = group.poisoned
 
+    # Last, because it poisons the group: the last rank makes a different call from the others.
+    if rank == world - 1:
+        rec["out_of_step"] = attempt(lambda: group.agree(18, what="step"))
+    else:
+        rec["out_of_step"] = attempt(lambda: vars(group.vote(18, entries, commit=commit)))
+    rec["calls_out_of_step"] = len(calls)
+    rec["poisoned_at_end"] = group.poisoned
+
 
 def hang(rank: int, world: int, rec: dict[str, Any]) -> None:
     """Rank $TIERSAVE_DIST_VICTIM sleeps past the others' deadline before voting."""
@@ -153,6 +161,10 @@ def main() -> None:
     rec: dict[str, Any] = {"rank": rank, "world": world}
     try:
         scenario(rank, world, rec)
+        # Tearing down must not hang, even with a poisoned group holding receives that never completed.
+        start = time.monotonic()
+        dist.destroy_process_group()
+        rec["teardown_s"] = time.monotonic() - start
     except BaseException as exc:
         rec["crashed"] = f"{type(exc).__name__}: {exc}"
         raise

@@ -152,7 +152,7 @@ class Channel:
         if header.seq != expect.seq or header.op != expect.op:
             theirs = _OP_NAMES.get(header.op, f"op {header.op}")
             return (
-                f"rank {sender} is at call #{header.seq} ({theirs}) while this rank is at call "
+                f"rank {sender} is at call #{header.seq} ({theirs}) while rank {self._rank} is at call "
                 f"#{expect.seq} ({_OP_NAMES.get(expect.op)}): ranks made different calls"
             )
         if header.nbytes > self.max_message_bytes:
@@ -174,6 +174,7 @@ class Channel:
         docs: list[Json] = [None] * self._world
         envelopes: dict[int, Json] = {0: decode_json(own_payload)}
         lost: dict[int, dict[str, Json]] = {}  # communication failures: poison
+        skewed: set[int] = set()  # ranks whose header belongs to another call
         held: list[object] = []
         headers = torch.zeros((self._world, HEADER_WORDS), dtype=torch.int64)
         header_works: dict[int, Any] = {}
@@ -196,6 +197,7 @@ class Channel:
                     problem = self._check_header(header, own, r)
                     if problem is not None or header is None:
                         lost[r] = report_error(ConnectionError(problem))
+                        skewed.add(r)
                         continue
                     buf = torch.empty(header.nbytes, dtype=torch.uint8)
                     work = self._irecv(buf, r, _TAG_UP_PAYLOAD) if header.nbytes else None
@@ -222,7 +224,7 @@ class Channel:
             except Exception as exc:
                 lost[r] = _comm_report(exc, what=f"receiving rank {r}'s {op} document failed")
 
-        report = self._judge(op, step, envelopes, docs, lost, reply, fail_phase)
+        report = self._judge(op, step, envelopes, docs, lost, skewed, reply, fail_phase)
         down: Json = {"ok": True, "doc": report[1]} if report[0] is None else {"ok": False, "failure": report[0]}
         try:
             out_payload = encode_json(down)
@@ -290,6 +292,7 @@ class Channel:
         envelopes: dict[int, Json],
         docs: list[Json],
         lost: dict[int, dict[str, Json]],
+        skewed: set[int],
         reply: Reply,
         fail_phase: str,
     ) -> tuple[dict[str, Json] | None, Json]:
@@ -306,9 +309,11 @@ class Channel:
         if lost or refused:
             parts = []
             silent = sorted(r for r, rep in lost.items() if rep.get("type") == "TimeoutError")
-            broken = sorted(r for r in lost if r not in silent)
+            broken = sorted(r for r in lost if r not in silent and r not in skewed)
             if silent:
                 parts.append(f"{rank_list(silent)} sent nothing within {self.timeout_s:g} s")
+            if skewed:
+                parts.append(f"{rank_list(sorted(skewed))} made a different call (out of step)")
             if broken:
                 parts.append(f"the connection to {rank_list(broken)} failed")
             if refused:
@@ -368,7 +373,11 @@ class Channel:
                 phase="reply",
                 step=step,
                 summary=what,
-                failures={0: _comm_report(exc, what=what)},
+                failures={
+                    0: report_error(ConnectionError(what))
+                    if isinstance(exc, _OutOfStep)
+                    else _comm_report(exc, what=what)
+                },
                 poison=True,
             )
             self.poison = failure_error(failure)
