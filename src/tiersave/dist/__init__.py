@@ -16,7 +16,7 @@ Typical use on every rank (``torch.distributed.init_process_group`` already call
     try:
         entries = write_my_shards(prefix)              # this rank's part, made durable
     except Exception as exc:
-        group.vote(step, error=exc)                    # raises DistributedCheckpointError on every rank
+        group.vote(step, error=exc)                    # a no vote: always raises, on every rank
     outcome = group.vote(step, entries, commit=write_global_manifest)  # runs on rank 0 only if all said yes
 
 See ``group.py`` for deadlines, thread safety and failure semantics, ``vote.py`` for the commit protocol.

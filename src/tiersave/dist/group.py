@@ -54,6 +54,11 @@ class CoordinationGroup:
     every rank of the default group makes, bounded by the default group's timeout) and runs one exchange that
     learns every rank's :class:`NodeIdentity` and agrees on :attr:`nonce`.
 
+    Thread safety: every method may be called from any thread (e.g. the daemon thread that finishes an async
+    save), one call at a time per rank (a lock serializes them), provided every rank issues the same calls in
+    the same order; a divergence is detected and raised, never silently mismatched. Callbacks (``commit``)
+    must not call the group.
+
     Args:
         timeout_s: how long rank 0 waits for the ranks' documents in each call (see the module docstring for
             the followers' deadline). It must cover the skew between ranks reaching a call, e.g. one rank
@@ -248,6 +253,8 @@ class CoordinationGroup:
         when ``error`` is None, no with ``error``'s type and message otherwise. Rank 0 decides commit only if
         every rank voted yes for the same step; only then it calls ``commit`` with the payloads by rank (it
         writes the global manifest: that write is the commit point) and sends the outcome to every rank.
+        One gather and one broadcast per call, whatever the number of tensors. May run on a background
+        thread, as long as every rank makes its coordination calls in the same order.
 
         Args:
             step: the step being saved; every rank must vote for the same one.
