@@ -150,7 +150,46 @@ def solo(rank: int, world: int, rec: dict[str, Any]) -> None:
     rec["vote_no"] = attempt(lambda: vars(group.vote(2, error=OSError("EIO"), commit=lambda p: "never")))
 
 
-SCENARIOS = {"solo": solo, "basic": basic, "hang": hang, "killed": killed, "nodes": nodes}
+def chaos(rank: int, world: int, rec: dict[str, Any]) -> None:
+    """Votes back to back until rank $TIERSAVE_DIST_VICTIM is SIGKILLed at a random instant (seeded)."""
+    import random
+
+    rng = random.Random(int(os.environ["TIERSAVE_DIST_SEED"]) * 1000 + rank)
+    victim = int(os.environ["TIERSAVE_DIST_VICTIM"])
+    group = CoordinationGroup(timeout_s=TIMEOUT_S)
+    if rank == victim:
+        delay = rng.uniform(0.2, 1.5)
+        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    committed: list[int] = []
+    commits: list[int] = []
+    anomalies: list[str] = []
+
+    def commit(payloads: list[Any]) -> Any:
+        step = len(commits) + 1
+        if [p.get("rank") if isinstance(p, dict) else None for p in payloads] != list(range(world)):
+            anomalies.append(f"step {step}: payloads {payloads!r:.200}")
+        commits.append(step)
+        return step
+
+    rec["error"] = None
+    end = time.monotonic() + 30
+    step = 0
+    while time.monotonic() < end:
+        step += 1
+        payload = {"rank": rank, "pad": "p" * rng.randrange(0, 200_000)}
+        outcome = attempt(lambda step=step, payload=payload: vars(group.vote(step, payload, commit=commit)))
+        if not outcome["ok"]:
+            rec["error"] = outcome
+            break
+        committed.append(outcome["value"]["result"])
+        time.sleep(rng.uniform(0, 0.01))
+    rec["committed"] = committed
+    rec["commits"] = commits
+    rec["anomalies"] = anomalies
+    rec["later"] = attempt(lambda: group.agree(0, what="step"))
+
+
+SCENARIOS = {"chaos": chaos, "solo": solo, "basic": basic, "hang": hang, "killed": killed, "nodes": nodes}
 
 
 def main() -> None:

@@ -82,6 +82,8 @@ class Channel:
         self._owner: int | None = None
         self._seq = 0
         self.poison: DistributedCheckpointError | None = None
+        self._poison_report: dict[str, Json] | None = None
+        self._notified = False
         # Tensors and works of exchanges that failed mid-flight: gloo may still write into (or read from)
         # them, so they must outlive the exchange; a poisoned channel holds at most one exchange's worth.
         self._graveyard: list[object] = []
@@ -102,9 +104,9 @@ class Channel:
         with self._lock:
             self._owner = threading.get_ident()
             try:
-                if self.poison is not None:
-                    raise self._poisoned(op, step) from self.poison
                 self._seq += 1
+                if self.poison is not None:
+                    raise self._refuse(op, step) from self.poison
                 entered = time.monotonic()
                 envelope: Json = {"ok": False, "error": report_error(error)} if error else {"ok": True, "doc": doc}
                 try:
@@ -120,15 +122,48 @@ class Channel:
             finally:
                 self._owner = None
 
-    def _poisoned(self, op: str, step: int | None) -> DistributedCheckpointError:
+    def _poison_by(self, report: dict[str, Json], held: object) -> DistributedCheckpointError:
+        """Mark the channel unusable because of ``report``; keep ``held`` (tensors, works) alive for gloo."""
+        self._poison_report = report
+        self.poison = failure_error(report)
+        self._graveyard.append(held)
+        return failure_error(report)
+
+    def _refuse(self, op: str, step: int | None) -> DistributedCheckpointError:
+        """The error of a call on a poisoned channel. Rank 0 also sends it, once, to every rank it can reach:
+        a rank that missed the failure (e.g. one that got the last outcome while another rank did not) then
+        fails at once instead of waiting for a reply that would never come."""
         assert self.poison is not None
+        assert self._poison_report is not None
         first = str(self.poison).splitlines()[0]
-        where = f"step {step}" if step is not None else "no step"
-        return DistributedCheckpointError(
-            f"tiersave coordination group is unusable ({op}, {where}): an earlier exchange failed and a "
-            f"sequence of collectives cannot be resumed safely; first failure: {first}",
-            self.poison.failures,
+        raw = self._poison_report.get("failures")
+        failures: dict[int, dict[str, Json]] = {}
+        for item in raw if isinstance(raw, list) else []:
+            if isinstance(item, dict) and isinstance(item.get("rank"), int):
+                rank = item["rank"]
+                assert isinstance(rank, int)
+                failures[rank] = item
+        report = failure_report(
+            op=op,
+            phase="refused",
+            step=step,
+            summary=f"an earlier exchange failed and a sequence of collectives cannot be resumed safely ({first})",
+            failures=failures,
+            poison=True,
         )
+        if self._rank == 0 and not self._notified:
+            self._notified = True
+            payload = encode_json({"ok": False, "failure": report})
+            header = Header.for_payload(seq=self._seq, op=OPS[op], step=step, payload=payload)
+            out = [torch.tensor(header.words()), _byte_tensor(payload)]
+            sends: list[object] = [out]
+            for r in range(1, self._world):
+                try:
+                    sends.append(self._send(out, r, (_TAG_DOWN_HEADER, _TAG_DOWN_PAYLOAD)))
+                except Exception:
+                    pass  # that rank is gone: nobody is waiting there
+            self._graveyard.append(sends)  # never waited on: a rank that stopped calling never receives
+        return failure_error(report)
 
     def _irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         work = dist.irecv(tensor, src=self._global[peer], group=self._pg, tag=tag)
@@ -265,12 +300,11 @@ class Channel:
                 undelivered[r] = _comm_report(exc, what=f"sending the {op} outcome to rank {r} failed")
         failure = report[0]
         if failure is not None and failure.get("poison"):
-            self.poison = failure_error(failure)
-            self._graveyard.append(held)
+            self._poison_by(failure, held)
         elif undelivered:
             # The decision stands on rank 0 (a commit callback may already have made a checkpoint visible),
             # but the group cannot go on with ranks that missed the outcome.
-            self.poison = failure_error(
+            self._poison_by(
                 failure_report(
                     op=op,
                     phase="reply",
@@ -278,9 +312,9 @@ class Channel:
                     summary=f"the outcome could not be delivered to {rank_list(sorted(undelivered))}",
                     failures=undelivered,
                     poison=True,
-                )
+                ),
+                held,
             )
-            self._graveyard.append(held)
         if failure is not None:
             raise failure_error(failure)
         return report[1]
@@ -380,9 +414,7 @@ class Channel:
                 },
                 poison=True,
             )
-            self.poison = failure_error(failure)
-            self._graveyard.append(held)
-            raise failure_error(failure) from exc
+            raise self._poison_by(failure, held) from exc
         if not isinstance(down, dict) or not isinstance(down.get("ok"), bool):
             raise self._poison_with(held, op, step, "rank 0 sent a reply of unknown shape")
         if down["ok"]:
@@ -391,13 +423,10 @@ class Channel:
         verdict = down.get("failure")
         if not isinstance(verdict, dict):
             raise self._poison_with(held, op, step, "rank 0 sent a failure without a report")
-        error = failure_error(verdict)
         if verdict.get("poison"):
-            self.poison = error
-            self._graveyard.append(held)
-        else:
-            self._finish_sends(sent, held, op, step)
-        raise error
+            raise self._poison_by(verdict, held)
+        self._finish_sends(sent, held, op, step)
+        raise failure_error(verdict)
 
     def _finish_sends(self, sent: list[Any], held: list[object], op: str, step: int | None) -> None:
         # Rank 0 answered cleanly, so it consumed this rank's messages: the sends are complete.
@@ -416,9 +445,7 @@ class Channel:
             failures={self._rank: report_error(ConnectionError(text))},
             poison=True,
         )
-        self.poison = failure_error(failure)
-        self._graveyard.append(held)
-        return failure_error(failure)
+        return self._poison_by(failure, held)
 
 
 class _OutOfStep(ConnectionError):
