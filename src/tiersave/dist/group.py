@@ -23,7 +23,8 @@ Failure semantics: a *clean* failure (a rank voted no, values disagree, rank 0's
 document was not JSON) raises on every rank and leaves the group usable. A *communication* failure (a rank
 sent nothing in time, a connection closed, ranks calling in different orders) raises on every rank that can
 still be reached and *poisons* the group: a message may still be in flight, so the sequence of exchanges
-cannot be resumed safely, and every later call raises at once, with the first failure as ``__cause__``.
+cannot be resumed safely, and every later call raises at once, with the first failure as ``__cause__``
+(rank 0's first such call also sends that failure to every rank it can reach, so none waits for a reply).
 
 Thread safety and call order: every rank must make the same calls in the same order (as with any
 collective); a call's sequence number and operation are checked, so a divergence is reported, not
