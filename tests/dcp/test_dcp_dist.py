@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_harness import _context, run_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from tiersave.dcp import Reader
+from tiersave.dcp import Reader, export_safetensors
 from tiersave.errors import CheckpointNotFoundError
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
@@ -61,6 +61,19 @@ def test_fsdp_load_on_1_process_is_bit_exact(saved: tuple[Path, Path]) -> None:
     assert state["extra"]["epoch"] == 3
     assert opt.param_groups[0]["lr"] == 0.01  # a pickled item, through the restricted unpickler
     dcp_workers.assert_matches_reference(dcp_workers.flat_full(model, opt), str(ref))
+
+
+def test_export_consolidates_the_4_rank_shards_into_whole_tensors(saved: tuple[Path, Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    root, ref = saved
+    summary = export_safetensors(root, tmp_path / "model.safetensors", step=1, prefix="model.")
+    assert summary.step == 1 and summary.tensors == 4 and not summary.pickled
+    exported = load_file(tmp_path / "model.safetensors")
+    reference = {k.removeprefix("model."): v for k, v in load_file(ref).items() if k.startswith("model.")}
+    assert sorted(exported) == sorted(reference) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    for name, value in reference.items():
+        assert torch.equal(exported[name], value), name
 
 
 def test_save_killed_before_finish_leaves_nothing_visible(tmp_path: Path) -> None:

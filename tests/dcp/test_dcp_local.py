@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tiersave.cli import main as cli
-from tiersave.dcp import Reader, Writer
+from tiersave.dcp import Reader, Writer, export_safetensors
 from tiersave.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -306,3 +306,21 @@ def test_metrics_tags_and_metadata_reach_the_manifest(root: Path) -> None:
     save(root, 9, {"w": torch.ones(3)}, metrics={"loss": 0.5}, tags=["best"], metadata={"run": "a"})
     manifest = Reader(root).manifest
     assert manifest.metrics == {"loss": 0.5} and manifest.tags == ("best",) and manifest.metadata == {"run": "a"}
+
+
+def test_export_writes_the_tensors_and_lists_the_pickled_items(root: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    sd = state(0)
+    save(root, 1, sd)
+    dest = tmp_path / "all.safetensors"
+    summary = export_safetensors(root, dest)
+    assert "extra.epoch" in summary.pickled and "optim.param_groups.0.lr" in summary.pickled
+    exported = load_file(dest)
+    for name, value in sd["model"].items():
+        assert torch.equal(exported[f"model.{name}"], value), name
+    assert torch.equal(exported["extra.strided"], sd["extra"]["strided"])
+    with pytest.raises(ConfigError, match="exists"):
+        export_safetensors(root, dest)
+    with pytest.raises(ConfigError, match="no tensor"):
+        export_safetensors(root, tmp_path / "none.safetensors", prefix="nothing.")

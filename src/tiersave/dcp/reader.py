@@ -233,9 +233,9 @@ class _ItemRead:
 class _Load:
     """Executes one rank's load plan: parallel chunk reads with checksums, DCP callbacks in order."""
 
-    def __init__(self, reader: Reader, planner: LoadPlanner) -> None:
+    def __init__(self, reader: Reader, planner: LoadPlanner | None) -> None:
         self.reader = reader
-        self.planner = planner
+        self._planner = planner
         self.manifest = reader.manifest
         self.cb = reader.manifest.chunk_bytes
         self._blobs: dict[int, BlobReader] = {}
@@ -262,8 +262,28 @@ class _Load:
                         fut.cancel()
                     raise
         finally:
-            for blob in self._blobs.values():
-                blob.close()
+            self.close()
+
+    @property
+    def planner(self) -> LoadPlanner:
+        assert self._planner is not None, "a load plan needs DCP's planner"
+        return self._planner
+
+    def read_whole(self, loc: dcpmeta.Location) -> torch.Tensor:
+        """One stored item as a tensor of its dtype and shape, every checksum verified (for export; the
+        caller closes this object when done)."""
+        buf = aligned_empty(loc.entry.nbytes)
+        jobs = self._chunk_jobs(loc, 0, loc.entry.nbytes, byte_view(buf), keep=buf)
+        with ThreadPoolExecutor(self.reader.threads, thread_name_prefix="tiersave-dcp-read") as pool:
+            for fut in [pool.submit(job) for job in jobs]:
+                fut.result()
+        return buf.view(loc.dtype).reshape(loc.sizes)
+
+    def close(self) -> None:
+        with self._lock:
+            blobs, self._blobs = list(self._blobs.values()), {}
+        for blob in blobs:
+            blob.close()
 
     # -- planning one item ----------------------------------------------------------------------------
 
