@@ -23,6 +23,7 @@ from tiersave.errors import (
     ConfigError,
     CorruptCheckpointError,
     FormatError,
+    SaveError,
     UnsupportedStateError,
 )
 from tiersave.storage import open_storage
@@ -324,3 +325,28 @@ def test_export_writes_the_tensors_and_lists_the_pickled_items(root: Path, tmp_p
         export_safetensors(root, dest)
     with pytest.raises(ConfigError, match="no tensor"):
         export_safetensors(root, tmp_path / "none.safetensors", prefix="nothing.")
+
+
+class LosingWriter(Writer):
+    """Simulates a root that is not shared: the coordinator cannot see a rank's shard at commit time."""
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        for rank_results in results:
+            for wr in rank_results:
+                self.storage.delete(wr.storage_data.shard_key)
+        super().finish(metadata, results)
+
+
+def test_a_shard_the_coordinator_cannot_see_is_never_committed(root: Path) -> None:
+    with pytest.raises(CheckpointException) as exc:
+        dcp.save({"w": torch.ones(3)}, storage_writer=LosingWriter(root, step=1))
+    err = failure(exc)
+    assert isinstance(err, SaveError) and "not visible from the coordinator" in str(err)
+    assert list(root.iterdir()) == []  # the attempt was removed, nothing committed
+
+
+def test_an_empty_state_dict_round_trips(root: Path) -> None:
+    save(root, 1, {})
+    reader = Reader(root)
+    assert reader.manifest.shards == () and reader.manifest.tensors == {}
+    assert load(root, {}) == {}

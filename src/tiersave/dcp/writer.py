@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..commit import commit_for
-from ..errors import ConfigError, SaveError, UnsupportedStateError
+from ..errors import ConfigError, ObjectNotFoundError, SaveError, UnsupportedStateError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.dtypes import lookup
 from ..format.jsonsafe import dumps_canonical, is_finite_number
@@ -67,6 +67,8 @@ class _RankPlan:
 class _Stored:
     """Where one item's bytes were written (in ``WriteResult.storage_data``, gathered by the coordinator)."""
 
+    prefix: str
+    shard_key: str
     shard_file: str
     rank: int
     shard_size: int
@@ -213,8 +215,9 @@ class Writer(StorageWriter):
             metadata.version = _DCP_VERSION
             if metadata.storage_meta is None:
                 metadata.storage_meta = self.storage_meta()
-            manifest = self._manifest(metadata, results)
+            manifest, keys = self._manifest(metadata, results, prefix)
             data = manifest.to_json()
+            self._check_shards_visible(manifest, keys)
             self._commit.commit(prefix, self.step, data)
         except BaseException:
             self.abort()
@@ -239,18 +242,45 @@ class Writer(StorageWriter):
         except Exception as exc:  # the original failure matters more; prune removes the rest
             log.warning("%s: could not remove the failed attempt %s: %s", self, prefix, exc)
 
-    def _manifest(self, metadata: Metadata, results: list[list[WriteResult]]) -> Manifest:
+    def _check_shards_visible(self, manifest: Manifest, keys: Mapping[str, str]) -> None:
+        """Every rank's shard must be where the coordinator commits: this catches a root that is not shared
+        (each node writing to its own local disk) before a checkpoint with missing shards is published."""
+
+        def check(shard: ShardInfo) -> None:
+            key = keys[shard.file]
+            try:
+                size = self.storage.head(key).size
+            except ObjectNotFoundError:
+                raise SaveError(
+                    f"{self!r}: the shard of rank {shard.rank} ({key}) is not visible from the coordinator; "
+                    "is the root one place that every rank reaches (shared file system, S3)?"
+                ) from None
+            if size != shard.size:
+                raise SaveError(f"{self!r}: shard {key} is {size} bytes, rank {shard.rank} wrote {shard.size}")
+
+        with ThreadPoolExecutor(min(16, max(1, len(manifest.shards)))) as pool:
+            list(pool.map(check, manifest.shards))
+
+    def _manifest(
+        self, metadata: Metadata, results: list[list[WriteResult]], prefix: str
+    ) -> tuple[Manifest, dict[str, str]]:
         stored: dict[MetadataIndex, _Stored] = {}
         for rank_results in results:
             for wr in rank_results:
                 if not isinstance(wr.storage_data, _Stored):
                     raise SaveError(f"{self!r}: a rank returned a write result tiersave did not make")
+                if wr.storage_data.prefix != prefix:
+                    raise SaveError(
+                        f"{self!r}: a rank wrote under {wr.storage_data.prefix}, not this attempt's {prefix} "
+                        "(DCP plan caching is not supported)"
+                    )
                 if wr.index in stored:
                     raise SaveError(f"{self!r}: {wr.index.fqn!r} at {wr.index.offset} was written twice")
                 stored[wr.index] = wr.storage_data
         names: dict[MetadataIndex, str] = {}
         tensors: dict[str, TensorEntry] = {}
         shards: dict[str, ShardInfo] = {}
+        shard_keys: dict[str, str] = {}
         order: dict[str, int] = {}
         for fqn, item in metadata.state_dict_metadata.items():
             if isinstance(item, BytesStorageMetadata):
@@ -271,6 +301,7 @@ class Writer(StorageWriter):
                 name = _unique_name(wanted, tensors, fqn)
                 names[index] = name
                 shard = shards.setdefault(rec.shard_file, ShardInfo(rec.shard_file, rec.rank, rec.shard_size))
+                shard_keys[rec.shard_file] = rec.shard_key
                 shard_index = order.setdefault(rec.shard_file, len(order))
                 tensors[name] = TensorEntry(name, rec.dtype, rec.shape, shard_index, rec.offset, rec.nbytes, rec.crc32c)
                 if shard.size != rec.shard_size or shard.rank != rec.rank:
@@ -291,7 +322,7 @@ class Writer(StorageWriter):
             stats={"writer": "tiersave.dcp", "save_id": self.save_id, "bytes": sum(t.nbytes for t in tensors.values())},
         )
         manifest.validate(path=self.checkpoint_id)
-        return manifest
+        return manifest, shard_keys
 
 
 class _ShardWrite:
@@ -335,7 +366,10 @@ class _ShardWrite:
                 td = item.tensor_data
                 assert td is not None  # checked by _tensor_dtype
                 dtype, shape = _tensor_dtype(item), tuple(td.chunk.sizes)
-            stored = _Stored(self.info.shard_file, self.info.rank, size, offset, nbytes, dtype, shape, tuple(sums))
+            info = self.info
+            stored = _Stored(
+                info.prefix, info.shard_key, info.shard_file, info.rank, size, offset, nbytes, dtype, shape, tuple(sums)
+            )
             results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=stored))
         return results
 
