@@ -62,9 +62,10 @@ def run_ranks(target: str, world_size: int, *args: Any, outdir: Path, timeout_s:
     outdir.mkdir(parents=True, exist_ok=True)
     ctx = _context()
     port = free_port()
+    # Not daemonic: a rank may start processes of its own (DCP's process-based async_save); leftovers are
+    # killed below.
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, str(outdir), target, args), daemon=True)
-        for r in range(world_size)
+        ctx.Process(target=_entry, args=(r, world_size, port, str(outdir), target, args)) for r in range(world_size)
     ]
     for p in procs:
         p.start()

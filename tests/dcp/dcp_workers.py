@@ -138,3 +138,17 @@ def save_then_die(root: str) -> None:
     warnings.simplefilter("ignore")
     state = {"w": torch.arange(1000, dtype=torch.float32)}
     dcp.save(state, storage_writer=Dying(root, step=7))
+
+
+def process_async_save(rank: int, world_size: int, root: str) -> None:
+    """dcp.async_save with DCP's process-based executor: the writer is pickled into a background process."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    state = {"w": torch.arange(1000, dtype=torch.float32) + rank, "n": 3}
+    fut = dcp.async_save(
+        state, storage_writer=Writer(root, step=5), async_checkpointer_type=AsyncCheckpointerType.PROCESS
+    )
+    fut.result(timeout=120)  # type: ignore[union-attr]
+    out = {"w": torch.zeros(1000), "n": 0}
+    dcp.load(out, storage_reader=Reader(root, step=5))
+    assert out["n"] == 3 and torch.equal(out["w"], state["w"]), out

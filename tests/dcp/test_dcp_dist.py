@@ -97,3 +97,9 @@ def test_save_killed_before_finish_leaves_nothing_visible(tmp_path: Path) -> Non
 
     assert main(["prune", str(root)]) == 0  # the dead save's directory goes
     assert os.listdir(root) == []
+
+
+def test_process_based_async_save(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    run_ranks("dcp_workers.process_async_save", 1, str(root), outdir=tmp_path / "reports", timeout_s=120)
+    assert Reader(root).step == 5

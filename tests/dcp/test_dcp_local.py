@@ -350,3 +350,14 @@ def test_an_empty_state_dict_round_trips(root: Path) -> None:
     reader = Reader(root)
     assert reader.manifest.shards == () and reader.manifest.tensors == {}
     assert load(root, {}) == {}
+
+
+def test_a_writer_pickles_by_root_for_process_based_async_save(root: Path, s3_storage: Any) -> None:
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(Writer(root, step=3)))  # what DCP's process executor does
+    copy_state = {"w": torch.ones(2)}
+    dcp.save(copy_state, storage_writer=copy)
+    assert Reader(root).step == 3
+    with pytest.raises(ConfigError, match="Storage object"):
+        pickle.dumps(Writer(s3_storage, step=1))

@@ -132,12 +132,35 @@ class Writer(StorageWriter):
         self.metrics = _check_metrics(metrics)
         self.tags = _check_tags(tags)
         self.metadata = _check_metadata(metadata)
+        # Kept to reopen the storage in another process (DCP's process-based async_save pickles the writer).
+        self._reopen: tuple[str, str | None] | None = None if isinstance(root, Storage) else (os.fspath(root), io)
         self.storage: Storage = open_storage(root, io=io)
         self._commit = commit_for(self.storage)
         self.save_id = uuid.uuid4().hex
         self._is_coordinator = False
         self._rank = 0
         self._pending: str | None = None  # coordinator: the attempt begun and not yet committed or aborted
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable for ``dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)``:
+        the storage is reopened from its root in the receiving process."""
+        if self._reopen is None:
+            raise ConfigError(
+                f"{self!r} was made from a Storage object and cannot be sent to another process; give "
+                "Writer the root as a path or URI to use DCP's process-based async_save"
+            )
+        if self._pending is not None:
+            raise SaveError(f"{self!r} cannot be sent to another process in the middle of a save")
+        state = dict(self.__dict__)
+        del state["storage"], state["_commit"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        assert self._reopen is not None
+        root, io = self._reopen
+        self.storage = open_storage(root, io=io)
+        self._commit = commit_for(self.storage)
 
     def __repr__(self) -> str:
         return f"tiersave.dcp.Writer({self.storage.uri!r}, step={self.step})"
