@@ -361,3 +361,33 @@ def test_a_writer_pickles_by_root_for_process_based_async_save(root: Path, s3_st
     assert Reader(root).step == 3
     with pytest.raises(ConfigError, match="Storage object"):
         pickle.dumps(Writer(s3_storage, step=1))
+
+
+def test_ranks_that_resolved_different_steps_fail_the_load(root: Path) -> None:
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    from tiersave.errors import DistributedCheckpointError
+
+    save(root, 1, {"w": torch.ones(3)})
+    old = Reader(root)
+    save(root, 2, {"w": torch.ones(3)})
+    new = Reader(root)
+    plans = [old.prepare_local_plan(LoadPlan([])), new.prepare_local_plan(LoadPlan([]))]
+    with pytest.raises(DistributedCheckpointError, match="rank 0: step 1, rank 1: step 2"):
+        new.prepare_global_plan(plans)
+    assert new.prepare_global_plan([plans[1], plans[1]]) == [plans[1], plans[1]]
+
+
+def test_a_forged_shard_size_is_caught_before_allocating(root: Path) -> None:
+    save(root, 1, {"w": torch.ones(3), "n": 4})
+    path = root / "step-0000000001" / "manifest.json"
+    doc = json.loads(path.read_text())
+    huge = 1 << 36  # 64 GiB, more than this machine has
+    doc["shards"][0]["size"] = huge
+    doc["tensors"]["n"]["nbytes"] = huge - 8192
+    doc["tensors"]["n"]["shape"] = [huge - 8192]
+    doc["tensors"]["n"]["crc32c"] = ["00000000"] * -(-(huge - 8192) // doc["checksum"]["chunk_bytes"])
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointException) as exc:
+        load(root, {"w": torch.zeros(3), "n": 0})
+    assert isinstance(failure(exc), CorruptCheckpointError) and "the manifest says" in str(failure(exc))

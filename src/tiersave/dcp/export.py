@@ -117,9 +117,12 @@ def export_safetensors(
             f.write(struct.pack("<Q", len(head)))
             f.write(head)
             for fqn, _, item in selected:
+                locs = [reader._decoded.locations[MetadataIndex(fqn, c.offsets)] for c in item.chunks]
+                for loc in locs:  # the chunks' shards hold them (real lengths) before the tensor is allocated
+                    loader._blob(loc.entry.shard)
                 full = torch.empty(tuple(item.size), dtype=item.properties.dtype)
-                for chunk in item.chunks:
-                    part = loader.read_whole(reader._decoded.locations[MetadataIndex(fqn, chunk.offsets)])
+                for chunk, loc in zip(item.chunks, locs, strict=True):
+                    part = loader.read_whole(loc)
                     region = full
                     for dim, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
                         region = region.narrow(dim, o, n)

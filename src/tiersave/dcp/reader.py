@@ -272,6 +272,7 @@ class _Load:
     def read_whole(self, loc: dcpmeta.Location) -> torch.Tensor:
         """One stored item as a tensor of its dtype and shape, every checksum verified (for export; the
         caller closes this object when done)."""
+        self._blob(loc.entry.shard)  # real length checked before allocating
         buf = aligned_empty(loc.entry.nbytes)
         jobs = self._chunk_jobs(loc, 0, loc.entry.nbytes, byte_view(buf), keep=buf)
         with ThreadPoolExecutor(self.reader.threads, thread_name_prefix="tiersave-dcp-read") as pool:
@@ -289,6 +290,9 @@ class _Load:
 
     def _plan(self, item: ReadItem) -> tuple[list[Callable[[], None]], _ItemRead]:
         loc = self.reader._location(item)
+        # Open the shard (checking its real length against the manifest) before allocating anything the
+        # manifest's sizes ask for: a forged size cannot make us allocate more than the shard holds.
+        self._blob(loc.entry.shard)
         if item.type == LoadItemType.BYTE_IO:
             buf = bytearray(loc.entry.nbytes)
             jobs = self._chunk_jobs(loc, 0, loc.entry.nbytes, memoryview(buf))
