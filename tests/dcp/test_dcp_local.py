@@ -123,6 +123,7 @@ def test_round_trip_model_optimizer_and_values(where: str, root: Path, mem_root:
     assert len(reader.manifest.tensors["model.0.weight"].crc32c) == 3  # 64*40*4 bytes in 4 KiB chunks
 
 
+@pytest.mark.s3
 def test_round_trip_on_s3(s3_storage: Any) -> None:
     saved = state(0)
     save(s3_storage, 3, saved)
@@ -352,6 +353,7 @@ def test_an_empty_state_dict_round_trips(root: Path) -> None:
     assert load(root, {}) == {}
 
 
+@pytest.mark.s3
 def test_a_writer_pickles_by_root_for_process_based_async_save(root: Path, s3_storage: Any) -> None:
     import pickle
 
