@@ -26,6 +26,7 @@ from tiersave.errors import (
     SaveError,
     UnsupportedStateError,
 )
+from tiersave.format.manifest import seal
 from tiersave.storage import open_storage
 
 pytestmark = pytest.mark.timeout(120)
@@ -215,7 +216,7 @@ def test_hostile_metadata_is_rejected_before_use(root: Path, case: str) -> None:
     path = root / "step-0000000005" / "manifest.json"
     doc = json.loads(path.read_text())
     HOSTILE[case](doc)
-    path.write_text(json.dumps(doc))
+    path.write_bytes(seal(doc))  # resealed, as a forger would: the DCP validation must catch it
     with pytest.raises(FormatError) as exc:
         Reader(root)
     assert "step-0000000005" in str(exc.value)
@@ -389,7 +390,7 @@ def test_a_forged_shard_size_is_caught_before_allocating(root: Path) -> None:
     doc["tensors"]["n"]["nbytes"] = huge - 8192
     doc["tensors"]["n"]["shape"] = [huge - 8192]
     doc["tensors"]["n"]["crc32c"] = ["00000000"] * -(-(huge - 8192) // doc["checksum"]["chunk_bytes"])
-    path.write_text(json.dumps(doc))
+    path.write_bytes(seal(doc))  # resealed, as a forger would: the DCP validation must catch it
     with pytest.raises(CheckpointException) as exc:
         load(root, {"w": torch.zeros(3), "n": 0})
     assert isinstance(failure(exc), CorruptCheckpointError) and "the manifest says" in str(failure(exc))
