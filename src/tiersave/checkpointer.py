@@ -41,8 +41,9 @@ from typing import Any, Literal
 from . import _lifecycle, knobs
 from ._futures import wait_queues
 from .catalog import CheckpointInfo, VerifyReport
+from .collective import join
 from .engine.pool import DaemonThreadPool
-from .errors import CheckpointNotFoundError, ClosedError, ConfigError, SaveError, TiersaveWarning
+from .errors import ClosedError, ConfigError, SaveError, TiersaveError, TiersaveWarning
 from .format.layout import MAX_CHUNK_BYTES
 from .handle import SaveHandle
 from .planner.schedule import SaveCost, Schedule, parse_schedule
@@ -75,6 +76,11 @@ class Checkpointer:
         exit_timeout_s: how long interpreter exit, SIGTERM or ``close()`` wait for an in-flight save.
         handle_sigterm: on SIGTERM, finish (or report) the in-flight save before the process ends.
         event_log: append every save's timings to ``ROOT/tiersave-events.jsonl`` (local roots).
+        process_group: with ``torch.distributed`` initialized, the Checkpointer is collective (every rank
+            saves and restores its own state into one checkpoint per step; docs/distributed.md). Its
+            coordination runs on a gloo group of its own, never the training's; pass a gloo group to use it.
+        coordination_timeout_s: how long a collective save or restore waits for the other ranks before it
+            fails with ``DistributedCheckpointError`` naming the ranks that did not answer.
 
     Thread safety: one thread calls ``save``/``restore`` at a time; listing methods may be called from
     any thread. Use as a context manager or call ``close()``.
@@ -95,19 +101,23 @@ class Checkpointer:
         exit_timeout_s: float = 300.0,
         handle_sigterm: bool = True,
         event_log: bool = True,
+        process_group: Any = None,
+        coordination_timeout_s: float = 600.0,
     ) -> None:
         threads, chunk = _check_options(keep_last, io_threads, chunk_bytes, max_shard_bytes, on_busy, exit_timeout_s)
+        self._collective = join(process_group, coordination_timeout_s)
+        if self._collective is not None and on_busy != "wait":
+            raise ConfigError(f"on_busy={on_busy!r} is not allowed in a collective Checkpointer: ranks must save alike")
+        self._rank = self._collective.rank if self._collective is not None else 0
         self._schedule = parse_schedule(schedule)
-        if (root is None) == (tiers is None):
-            raise ConfigError("give either a root (one tier) or tiers=[...], not both and not neither")
-        chain: Sequence[Tier | str | os.PathLike[str] | Storage] = [root] if root is not None else (tiers or [])
         tier_every = getattr(self._schedule, "tier_every", None)
-        self._chain = TierChain(
-            [t if isinstance(t, Tier) else Tier(t) for t in chain],
+        self._chain = TierChain.of(
+            root,
+            tiers,
             default_keep=keep_last,
             io_threads=threads,
             tier_every=tier_every if callable(tier_every) else None,
-            event_log=event_log,
+            event_log=event_log and self._rank == 0,  # one log per job: rank 0's
         )
         first = self._chain.first
         self.storage: Storage = first.storage
@@ -127,6 +137,7 @@ class Checkpointer:
             staging_bytes=staging_bytes,
             pool=self._pool,
             log_event=self._chain.log,
+            group=self._collective.group if self._collective is not None else None,
         )
         self._lock = threading.Lock()
         self._last: SaveHandle | None = None
@@ -245,12 +256,7 @@ class Checkpointer:
         """Read every byte of a checkpoint (default: the newest) on ``tier`` (default: the first) and check
         it against its checksums."""
         runtime = self._chain.get(tier)
-        if step is None:
-            steps = runtime.catalog.steps()
-            if not steps:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {runtime.storage.uri}")
-            step = steps[-1]
-        return runtime.catalog.verify(step, executor=self._pool)
+        return runtime.catalog.verify(step if step is not None else runtime.newest(), executor=self._pool)
 
     def prune(
         self, keep_last: int | None = None, *, policy: RetentionPolicy | str | None = None, tier: str | None = None
@@ -276,10 +282,7 @@ class Checkpointer:
         """
         self._check_open()
         self._saver.prepare(state)
-        for tier in self._chain.tiers:
-            policy = getattr(tier.storage, "io_policy", None)
-            if policy is not None:
-                policy.ensure_calibrated()
+        self._chain.calibrate()
 
     # -- scheduling -------------------------------------------------------------------------------
 
@@ -353,21 +356,7 @@ class Checkpointer:
         if previous is not None and not previous.done():
             if self.on_busy == "skip":
                 self.skipped_saves += 1
-                warnings.warn(
-                    f"skipping the save of step {request.step}: the save of step {previous.step} is still being "
-                    f"written ({self.skipped_saves} skipped so far)",
-                    TiersaveWarning,
-                    stacklevel=2,
-                )
-                self._chain.log(
-                    {
-                        "step": request.step,
-                        "outcome": "skipped",
-                        "time": started_wall,
-                        "reason": f"save of step {previous.step} in flight",
-                    }
-                )
-                return SaveHandle.skipped_save(request.step)
+                return _skip(self._chain, request.step, previous.step, self.skipped_saves, started_wall)
             if self.on_busy == "raise":
                 raise SaveError(f"the save of step {previous.step} is still being written (on_busy='raise')")
             previous.wait()
@@ -376,7 +365,13 @@ class Checkpointer:
         with self._lock:
             self._last = handle
             self._inflight = handle
-        pending = self._saver.stage(handle, request, state, started, started_wall, blocking)
+        token = self._collective.next_token() if self._collective is not None else None
+        try:
+            pending = self._saver.stage(handle, request, state, started, started_wall, blocking, token)
+        except BaseException as exc:
+            if self._collective is not None:  # the other ranks learn of it at once, not at their timeout
+                self._committer.submit(self._saver.vote_no, request.step, exc, self._saver.abandoned_prefix)
+            raise
         self._committer.submit(self._complete, pending)
         if self._schedule is not None:
             self._schedule.record(
@@ -393,10 +388,16 @@ class Checkpointer:
         return handle
 
     def _complete(self, pending: PendingSave) -> None:
-        """Commit thread: commit on the first tier, then the chain's follow-up (drains, retention)."""
-        manifest = self._saver.complete(pending)
-        if manifest is not None:
-            self._chain.after_commit(pending.handle, manifest, pending.started_wall)
+        """Commit thread: commit on the first tier, then (on rank 0) the chain's follow-up: drains, retention."""
+        if not self._saver.complete(pending):
+            return
+        if pending.manifest is not None and self._rank == 0:
+            self._chain.after_commit(pending.handle, pending.manifest, pending.started_wall)
+            return
+        try:  # another rank: rank 0 committed the global manifest
+            pending.handle._set_result(self.catalog.info(pending.request.step))
+        except TiersaveError as exc:
+            pending.handle._set_error(exc)
 
     def _raise_unobserved(self) -> None:
         last = self._last
@@ -416,6 +417,7 @@ class Checkpointer:
         tag: str | None = None,
         into: Any = None,
         strict: bool = True,
+        rank: int | None = None,
     ) -> Any:
         """Restore a checkpoint and return the state.
 
@@ -432,17 +434,26 @@ class Checkpointer:
             tag: restore the newest checkpoint carrying this tag.
             into: the live state to load into (same structure as saved).
             strict: with ``into``, fail when ``into`` has keys the checkpoint lacks.
+            rank: in a single process, read rank ``rank``'s state of a checkpoint saved by several ranks (in a
+                collective Checkpointer each rank restores its own; the number of ranks must match).
 
         Raises:
             CheckpointNotFoundError: no committed checkpoint matches.
             CorruptCheckpointError / FormatError: the requested (or every) checkpoint failed to verify.
-            StateMismatchError: the live state cannot hold the checkpoint.
+            StateMismatchError: the live state cannot hold the checkpoint, or it was saved by another number
+                of ranks (reshard through ``tiersave.dcp``).
+            DistributedCheckpointError: (collective) another rank failed or did not answer in time.
+
+        In a collective Checkpointer every rank tries the same copies in the same order (rank 0's list) and
+        moves to the next only together, so all ranks restore the same step.
 
         If reading fails midway, tensors in ``into`` may hold partial data; no ``load_state_dict`` or
         dict update happens unless every byte verified.
         """
         self._check_open()
-        result, self.last_restore = restore_from(self._chain, step, tag, into, strict, self._pool)
+        result, self.last_restore = restore_from(
+            self._chain, step, tag, into, strict, self._pool, collective=self._collective, rank=rank
+        )
         return result
 
 
@@ -470,3 +481,17 @@ def _check_options(
     if not exit_timeout_s >= 0:
         raise ConfigError(f"exit_timeout_s must be >= 0, got {exit_timeout_s!r}")
     return threads, chunk
+
+
+def _skip(chain: TierChain, step: int, busy_step: int, skipped: int, started_wall: float) -> SaveHandle:
+    """``on_busy="skip"``: warn, record it in the event log, return the skipped save's handle."""
+    warnings.warn(
+        f"skipping the save of step {step}: the save of step {busy_step} is still being written "
+        f"({skipped} skipped so far)",
+        TiersaveWarning,
+        stacklevel=3,
+    )
+    chain.log(
+        {"step": step, "outcome": "skipped", "time": started_wall, "reason": f"save of step {busy_step} in flight"}
+    )
+    return SaveHandle.skipped_save(step)

@@ -100,8 +100,13 @@ class CommitStrategy(Protocol):
 
     storage: Storage
 
-    def begin(self, step: int) -> str:
+    def begin(self, step: int, token: str | None = None) -> str:
         """Check that ``step`` is not committed and return the prefix this attempt writes under.
+
+        Args:
+            step: the step being saved.
+            token: the attempt's token (:func:`tmp_token` form), when several processes write one attempt
+                (the ranks of a collective save agree on it); by default a fresh one of this process.
 
         Raises:
             AlreadyExistsError: ``step`` is already committed (a checkpoint is never overwritten).
@@ -147,10 +152,10 @@ class RenameCommit:
             raise ConfigError(f"{storage.uri} has no atomic rename; it needs a marker commit")
         self.storage = storage
 
-    def begin(self, step: int) -> str:
+    def begin(self, step: int, token: str | None = None) -> str:
         _refuse_committed(self.storage, step)
         crashpoint("save_begin")
-        return tmp_dirname(step, tmp_token())
+        return tmp_dirname(step, token or tmp_token())
 
     def shard_file(self, prefix: str, name: str) -> str:
         """Shards sit directly in the directory that the rename turns into ``step-N``."""
@@ -243,10 +248,10 @@ class MarkerCommit:
             raise ConfigError(f"{storage.uri} has no create-only put; a marker commit would not be atomic")
         self.storage = storage
 
-    def begin(self, step: int) -> str:
+    def begin(self, step: int, token: str | None = None) -> str:
         final = _refuse_committed(self.storage, step)
         crashpoint("save_begin")
-        prefix = f"{final}/{attempt_dirname(tmp_token())}"
+        prefix = f"{final}/{attempt_dirname(token or tmp_token())}"
         with _ACTIVE_LOCK:
             _ACTIVE.add(prefix)
         return prefix

@@ -20,16 +20,19 @@ import time
 import warnings
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .catalog import OpenCheckpoint
+from .collective import Collective, rank_view
 from .engine.reader import ReadRequest
 from .errors import (
     CheckpointNotFoundError,
+    ConfigError,
     CorruptCheckpointError,
+    DistributedCheckpointError,
     FormatError,
     StateMismatchError,
     StorageError,
@@ -50,6 +53,9 @@ from .state import (
     torch_dtype,
 )
 from .tiers import TierChain, TierRuntime
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .dist import CoordinationGroup, Json
 
 
 @dataclass
@@ -76,11 +82,79 @@ class RestoreReport:
 
 
 def restore_from(
-    chain: TierChain, step: int | None, tag: str | None, into: Any, strict: bool, pool: Executor
+    chain: TierChain,
+    step: int | None,
+    tag: str | None,
+    into: Any,
+    strict: bool,
+    pool: Executor,
+    *,
+    collective: Collective | None = None,
+    rank: int | None = None,
 ) -> tuple[Any, RestoreReport]:
     """Restore ``step`` (None: the newest; with ``tag``, the newest carrying it) from the fastest tier holding
-    a good copy; see ``Checkpointer.restore`` for the fallback rules and the errors raised."""
+    a good copy; see ``Checkpointer.restore`` for the fallback rules and the errors raised.
+
+    With ``collective`` (a collective restore), every rank tries rank 0's list of copies in order, reads its own
+    part (``rank``) of each, and the ranks move on to the next copy together when any of them could not use
+    it, so that all restore the same step. ``rank`` (a single process only) reads that rank's state of a
+    checkpoint saved by several ranks."""
+    if collective is not None and rank is not None:
+        raise ConfigError("rank= is for reading one rank's state in a single process; each rank restores its own")
+    group = collective.group if collective is not None else None
+    world_size = collective.world_size if collective is not None else 1
+    rank = collective.rank if collective is not None else rank
     start = time.perf_counter()
+    candidates = _candidates(chain, step, tag, group)
+    skipped: list[tuple[int, str]] = []
+    last_error: TiersaveError | None = None
+    for candidate, holders in candidates:
+        for tier in holders:
+            error: TiersaveError | None = None
+            chain.protection.hold(tier.index, candidate)  # retention must not delete what we are reading
+            try:
+                with tier.catalog.open(candidate) as ckpt:
+                    ckpt.manifest = rank_view(ckpt.manifest, rank, world_size)
+                    result, nbytes, in_place = Restore(ckpt, into, strict).run(pool)
+            except (FormatError, CheckpointNotFoundError, StorageError) as exc:  # this copy is unusable
+                error = exc
+            except TiersaveError as exc:  # not a matter of this copy: every rank stops here
+                if group is None:
+                    raise
+                error = exc
+            finally:
+                chain.protection.release(tier.index, candidate)
+            if group is not None:
+                error = _agree_on_copy(group, candidate, error)
+            if error is not None:
+                last_error = error
+                skipped.append((candidate, f"on {tier.name}: {error}"))
+                fallback = "another tier" if tier is not holders[-1] else "an older checkpoint"
+                if step is not None and tier is holders[-1]:
+                    break
+                warnings.warn(
+                    f"skipping the copy of step {candidate} on tier {tier.name} ({tier.storage.uri}): {error}; "
+                    f"trying {fallback}",
+                    TiersaveWarning,
+                    stacklevel=3,
+                )
+                continue
+            location = tier.catalog.location(candidate)
+            report = RestoreReport(
+                candidate, location, nbytes, time.perf_counter() - start, in_place, skipped, tier.name
+            )
+            return result, report
+    if step is not None and last_error is not None and len(skipped) == 1:
+        raise last_error
+    raise CorruptCheckpointError(
+        "no usable checkpoint: every candidate failed: " + "; ".join(f"step {s} {why}" for s, why in skipped)
+    ) from last_error
+
+
+def _candidates(
+    chain: TierChain, step: int | None, tag: str | None, group: CoordinationGroup | None
+) -> list[tuple[int, list[TierRuntime]]]:
+    """The copies to try, newest step first, fastest tier first; in a collective restore, rank 0's list."""
     holders: dict[int, list[TierRuntime]] = {}
     missing: list[CheckpointNotFoundError] = []
     for tier in chain.tiers:
@@ -91,50 +165,50 @@ def restore_from(
             continue
         for s in found:
             holders.setdefault(s, []).append(tier)
+    if group is not None:
+        mine: Json = [[s, [t.name for t in holders[s]]] for s in sorted(holders, reverse=True)]
+        plan: Any = group.broadcast_json(mine if group.is_coordinator else None)
+        if not isinstance(plan, list):
+            raise ConfigError(f"rank 0 sent no restore plan (got {plan!r})")
+        holders = {int(s): [chain.get(str(name)) for name in names] for s, names in plan}
     if not holders:
         if len(missing) == 1:
             raise missing[0]
         if missing:
             raise CheckpointNotFoundError("; ".join(str(e) for e in missing))
         raise CheckpointNotFoundError(f"no committed checkpoint in {chain.where()}")
-    skipped: list[tuple[int, str]] = []
-    last_error: TiersaveError | None = None
-    for candidate in sorted(holders, reverse=True):
-        for tier in holders[candidate]:
-            chain.protection.hold(tier.index, candidate)  # retention must not delete what we are reading
-            try:
-                with tier.catalog.open(candidate) as ckpt:
-                    result, nbytes, in_place = Restore(ckpt, into, strict).run(pool)
-            except (FormatError, CheckpointNotFoundError, StorageError) as exc:  # this copy is unusable
-                last_error = exc
-                skipped.append((candidate, f"on {tier.name}: {exc}"))
-                fallback = "another tier" if tier is not holders[candidate][-1] else "an older checkpoint"
-                if step is not None and tier is holders[candidate][-1]:
-                    break
-                warnings.warn(
-                    f"skipping the copy of step {candidate} on tier {tier.name} ({tier.storage.uri}): {exc}; "
-                    f"trying {fallback}",
-                    TiersaveWarning,
-                    stacklevel=3,
-                )
-                continue
-            finally:
-                chain.protection.release(tier.index, candidate)
-            report = RestoreReport(
-                candidate,
-                tier.catalog.location(candidate),
-                nbytes,
-                time.perf_counter() - start,
-                in_place,
-                skipped,
-                tier.name,
-            )
-            return result, report
-    if step is not None and last_error is not None and len(skipped) == 1:
-        raise last_error
-    raise CorruptCheckpointError(
-        "no usable checkpoint: every candidate failed: " + "; ".join(f"step {s} {why}" for s, why in skipped)
-    ) from last_error
+    return [(s, holders[s]) for s in sorted(holders, reverse=True)]
+
+
+def _agree_on_copy(group: CoordinationGroup, step: int, error: TiersaveError | None) -> TiersaveError | None:
+    """Every rank learns whether every rank could use this copy. Returns this rank's error, or the error
+    naming the ranks that could not; raises on every rank when one rank's error is not about the copy."""
+    mine: Json = None
+    if error is not None:
+        mine = {"type": type(error).__name__, "message": str(error), "copy": _copy_error(error)}
+    reports = group.all_gather_json(mine, step=step)
+    failed = {r: rep for r, rep in enumerate(reports) if rep is not None}
+    if not failed:
+        return None
+    fatal = {r: rep for r, rep in failed.items() if isinstance(rep, dict) and not rep.get("copy")}
+    if fatal:
+        if error is not None and not _copy_error(error):
+            raise error
+        r, rep = next(iter(fatal.items()))
+        raise DistributedCheckpointError(
+            f"restore of step {step}: rank {r} failed: {rep.get('type')}: {rep.get('message')}",
+            {r: RuntimeError(str(rep.get("message")))},
+        )
+    if error is not None:
+        return error
+    ranks = ", ".join(str(r) for r in failed)
+    first = next(iter(failed.values()))
+    message = first.get("message") if isinstance(first, dict) else first
+    return CorruptCheckpointError(f"rank(s) {ranks} could not use this copy: {message}", step=step)
+
+
+def _copy_error(error: TiersaveError) -> bool:
+    return isinstance(error, (FormatError, CheckpointNotFoundError, StorageError))
 
 
 class Restore:

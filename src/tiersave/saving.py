@@ -18,14 +18,15 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from .engine.pipeline import StagedWrite, plan_save
+from .collective import check_shards_visible, merge_parts, rank_part
+from .engine.pipeline import StagedWrite, Written, plan_save
 from .engine.stage import HostCopier, StagingArena, needs_pinned
-from .errors import ConfigError, FormatError
+from .errors import ConfigError, DistributedCheckpointError, FormatError
 from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
 from .format.layout import MAX_STEP, align_up, is_valid_tag, shard_filename
 from .format.manifest import Manifest
@@ -33,6 +34,9 @@ from .handle import SaveHandle
 from .state import flatten
 from .storage.base import Storage
 from .tiers import TierRuntime
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .dist import CoordinationGroup
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +99,7 @@ class PendingSave:
     tree: Any
     started: float
     started_wall: float
+    manifest: Manifest | None = None  # set once committed (on rank 0 of a collective save)
 
 
 class Saver:
@@ -107,6 +112,8 @@ class Saver:
         staging_bytes: the staging budget (None: one copy of the state, within the memory available).
         pool: the I/O threads that write the shards.
         log_event: records failed saves in the event log.
+        group: the coordination group of a collective save (every rank saves its part of one checkpoint and
+            rank 0 commits it once every rank voted yes), or None for a single process.
 
     Thread safety: :meth:`stage` on one caller thread at a time, :meth:`complete` on the commit thread.
     """
@@ -120,7 +127,10 @@ class Saver:
         staging_bytes: int | None,
         pool: Executor,
         log_event: Callable[[dict[str, Any]], None],
+        group: CoordinationGroup | None = None,
     ) -> None:
+        self.group = group
+        self.rank = group.rank if group is not None else 0
         self.storage: Storage = tier.storage
         self.commit = tier.commit
         self.chunk_bytes = chunk_bytes
@@ -130,6 +140,7 @@ class Saver:
         self.pool = pool
         self.log_event = log_event
         self.staging_step: int | None = None  # the step being staged on the caller's thread, if any
+        self.abandoned_prefix: str | None = None  # the prefix of the last save that failed while staging
         self.last_total_s = 0.0  # the last committed save's time from start to commit
 
     def close(self, *, release_memory: bool) -> None:
@@ -158,9 +169,17 @@ class Saver:
     # -- caller's thread --------------------------------------------------------------------------
 
     def stage(
-        self, handle: SaveHandle, request: SaveRequest, state: Any, started: float, started_wall: float, blocking: bool
+        self,
+        handle: SaveHandle,
+        request: SaveRequest,
+        state: Any,
+        started: float,
+        started_wall: float,
+        blocking: bool,
+        token: str | None = None,
     ) -> PendingSave:
-        """Flatten, lay out and stage ``state``. On failure nothing is visible and the error is raised."""
+        """Flatten, lay out and stage ``state`` under the attempt ``token`` (the ranks of a collective save
+        agree on it; None: a fresh one). On failure nothing is visible and the error is raised."""
         stats = handle.stats
         prefix: str | None = None
         job: StagedWrite | None = None
@@ -171,10 +190,10 @@ class Saver:
             plan = plan_save(
                 flat.tensors,
                 chunk_bytes=self.chunk_for(sum(align_up(t.nbytes) for t in flat.tensors)),
-                shard_file=lambda i: shard_filename(0, i),
+                shard_file=lambda i: shard_filename(self.rank, i),
                 max_shard_bytes=self.max_shard_bytes,
             )
-            prefix = self.commit.begin(request.step)
+            prefix = self.commit.begin(request.step, token)
             io_before = _io_bytes(self.storage)
             job = StagedWrite(
                 self.storage, prefix, plan, [t.source for t in flat.tensors], self.arena, self.pool, self.copier
@@ -183,8 +202,9 @@ class Saver:
         except BaseException as exc:
             if job is not None:
                 job.abort()
-            if prefix is not None:
+            if prefix is not None and self.group is None:  # a shared prefix: rank 0 removes it after the vote
                 self._abort_prefix(prefix)
+            self.abandoned_prefix = prefix
             handle._set_error(exc)
             handle._observed = True  # raised right here, to the caller
             self.log_event({"step": request.step, "outcome": "failed", "time": started_wall, "error": str(exc)})
@@ -204,51 +224,124 @@ class Saver:
 
     # -- commit thread ----------------------------------------------------------------------------
 
-    def complete(self, p: PendingSave) -> Manifest | None:
-        """Wait for the writes, make them durable and commit. Returns the committed manifest, or None after
-        a failure, which is then stored on the handle (and in the event log) and leaves nothing visible."""
-        handle, stats, request = p.handle, p.handle.stats, p.request
+    def complete(self, p: PendingSave) -> bool:
+        """Wait for the writes, make them durable and commit (``p.manifest`` is then set, on rank 0 of a
+        collective save). Returns False after a failure, which is then stored on the handle (and in the event
+        log) and leaves nothing visible."""
+        handle, stats = p.handle, p.handle.stats
         try:
             p.job.wait_staged()
             handle._set_staged()
-            written = p.job.finish(lambda name: self.commit.shard_file(p.prefix, name))
-            stats.write_s = time.perf_counter() - p.started - stats.flatten_s
-            before = stats.extra.pop("io_before", None)
-            after = _io_bytes(self.storage)
-            if before is not None and after is not None:  # bytes per I/O path (direct, buffered...)
-                stats.extra["io"] = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
-            stats.total_s = time.perf_counter() - p.started
-            manifest = Manifest(
-                step=request.step,
-                shards=written.shards,
-                tensors=written.tensors,
-                tree=p.tree,
+            written = p.job.finish(lambda name: self.commit.shard_file(p.prefix, name), rank=self.rank)
+        except BaseException as exc:
+            p.job.abort()
+            return self._failed(p, self._vote_no(p.request.step, exc) if self.group is not None else exc)
+        stats.write_s = time.perf_counter() - p.started - stats.flatten_s
+        before = stats.extra.pop("io_before", None)
+        after = _io_bytes(self.storage)
+        if before is not None and after is not None:  # bytes per I/O path (direct, buffered...)
+            stats.extra["io"] = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+        stats.total_s = time.perf_counter() - p.started
+        try:
+            if self.group is None:
+                self._commit_alone(p, written)
+            else:
+                self._vote(p, written)
+        except BaseException as exc:
+            if p.manifest is None:  # never remove what a commit made visible
+                if self.group is None:
+                    p.job.abort()
+                return self._failed(p, exc)
+            log.warning("step %d is committed, but the ranks could not all be told: %s", p.request.step, exc)
+        stats.total_s = time.perf_counter() - p.started
+        self.last_total_s = stats.total_s
+        return True
+
+    def _failed(self, p: PendingSave, exc: BaseException) -> bool:
+        """Clean up a failed save and store its error. The attempt's prefix is removed by its owner: the
+        process itself, or rank 0 of a collective save once every rank has cleaned up its own part."""
+        self._settle(p.request.step)
+        if self.rank == 0:
+            self._abort_prefix(p.prefix)
+        failed = {"step": p.request.step, "outcome": "failed", "time": p.started_wall, "error": str(exc)}
+        self.log_event({**failed, **p.handle.stats.to_json()})
+        p.handle._set_error(exc)
+        return False
+
+    def _commit_alone(self, p: PendingSave, written: Written) -> None:
+        request, stats = p.request, p.handle.stats
+        t_commit = time.perf_counter()
+        manifest = Manifest(
+            step=request.step,
+            shards=written.shards,
+            tensors=written.tensors,
+            tree=p.tree,
+            chunk_bytes=written.chunk_bytes,
+            metrics=request.metrics,
+            tags=request.tags,
+            metadata=request.metadata,
+            stats=stats.to_json(),
+        )
+        self.commit.commit(p.prefix, request.step, manifest.to_json())
+        p.manifest = manifest  # only now: a failed commit leaves nothing visible, and is cleaned up
+        stats.commit_s = time.perf_counter() - t_commit
+
+    def _vote(self, p: PendingSave, written: Written) -> None:
+        """Collective save: vote yes with this rank's part; rank 0 merges the parts and commits if all voted
+        yes. Raises DistributedCheckpointError (on every rank) if any rank failed or the commit did."""
+        assert self.group is not None
+        request, stats = p.request, p.handle.stats
+
+        def commit(parts: list[Any]) -> Any:
+            t_commit = time.perf_counter()
+            manifest = merge_parts(
+                request.step,
+                parts,
                 chunk_bytes=written.chunk_bytes,
                 metrics=request.metrics,
                 tags=request.tags,
                 metadata=request.metadata,
                 stats=stats.to_json(),
             )
-            t_commit = time.perf_counter()
+            check_shards_visible(self.storage, p.prefix, manifest)
             self.commit.commit(p.prefix, request.step, manifest.to_json())
+            p.manifest = manifest
             stats.commit_s = time.perf_counter() - t_commit
-        except BaseException as exc:
-            p.job.abort()
-            self._abort_prefix(p.prefix)
-            self.log_event(
-                {
-                    "step": request.step,
-                    "outcome": "failed",
-                    "time": p.started_wall,
-                    "error": str(exc),
-                    **stats.to_json(),
-                }
-            )
-            handle._set_error(exc)
             return None
-        stats.total_s = time.perf_counter() - p.started
-        self.last_total_s = stats.total_s
-        return manifest
+
+        part = rank_part(self.rank, written.shards, written.tensors, p.tree)
+        self.group.vote(request.step, part, commit=commit if self.rank == 0 else None)
+
+    def vote_no(self, step: int, exc: BaseException, prefix: str | None = None) -> None:
+        """Commit thread, after this rank failed to stage ``step`` (its caller already got the error): vote
+        no, so that every other rank fails now rather than at its timeout; then, on rank 0, remove the
+        attempt's ``prefix`` (every rank has voted: none still writes there)."""
+        self._vote_no(step, exc)
+        self._settle(step)
+        if prefix is not None and self.rank == 0:
+            self._abort_prefix(prefix)
+
+    def _settle(self, step: int) -> None:
+        """After a failed collective save: one more exchange, entered by each rank once its own cleanup is
+        done, so that rank 0 removes the shared prefix only when no rank still touches it. Skipped when the
+        group is broken (a rank died: its part is a leftover for the next prune)."""
+        if self.group is None or self.group.poisoned:
+            return
+        try:
+            self.group.all_gather_json(None, step=step)
+        except BaseException as exc:
+            log.warning("step %d: the ranks could not settle after a failed save: %s", step, exc)
+
+    def _vote_no(self, step: int, exc: BaseException) -> BaseException:
+        """Vote no. Returns the error every rank raises (naming this rank), or ``exc`` if the group is broken."""
+        assert self.group is not None
+        try:
+            self.group.vote(step, error=exc)
+        except DistributedCheckpointError as failure:
+            return failure
+        except BaseException:  # the group itself is broken: report the rank's own error
+            return exc
+        return exc  # pragma: no cover (a no vote always raises)
 
     def _abort_prefix(self, prefix: str) -> None:
         try:

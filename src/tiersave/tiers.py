@@ -167,6 +167,17 @@ class TierRuntime:
             return self.last_sent_mono is None or now_mono - self.last_sent_mono >= interval
         return self.considered % self.every == 0
 
+    def newest(self) -> int:
+        """The newest committed step on this tier.
+
+        Raises:
+            CheckpointNotFoundError: nothing is committed here.
+        """
+        steps = self.catalog.steps()
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.storage.uri}")
+        return steps[-1]
+
     def shutdown(self, wait: bool) -> None:
         for pool in (self.drainer, self.copier):
             if pool is not None:
@@ -251,6 +262,20 @@ class TierChain:
         self._last_commit_mono: float | None = None
         self._save_period_s: float | None = None
 
+    @classmethod
+    def of(
+        cls,
+        root: str | os.PathLike[str] | Storage | None,
+        tiers: Sequence[Tier | str | os.PathLike[str] | Storage] | None,
+        **options: Any,
+    ) -> TierChain:
+        """The chain of a Checkpointer given either one ``root`` or ``tiers`` (paths, URIs, storages or
+        :class:`Tier` objects); ``options`` as for the constructor."""
+        if (root is None) == (tiers is None):
+            raise ConfigError("give either a root (one tier) or tiers=[...], not both and not neither")
+        chain: Sequence[Tier | str | os.PathLike[str] | Storage] = [root] if root is not None else (tiers or [])
+        return cls([t if isinstance(t, Tier) else Tier(t) for t in chain], **options)
+
     @property
     def names(self) -> builtins.list[str]:
         return [t.name for t in self.tiers]
@@ -274,6 +299,13 @@ class TierChain:
     def shutdown(self, wait: bool) -> None:
         for tier in self.tiers:
             tier.shutdown(wait=wait)
+
+    def calibrate(self) -> None:
+        """Calibrate now the I/O policy of every tier that has one (local file systems), not at a first save."""
+        for tier in self.tiers:
+            policy = getattr(tier.storage, "io_policy", None)
+            if policy is not None:
+                policy.ensure_calibrated()
 
     def background_pools(self) -> builtins.list[DaemonThreadPool]:
         """The drain threads, whose queues ``Checkpointer.wait`` waits out."""

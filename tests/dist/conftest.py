@@ -85,6 +85,38 @@ def _run(commands: Sequence[tuple[list[str], dict[str, str]]], out: Path, deadli
     return Job(records, [p.returncode for p in procs], text)
 
 
+class Running:
+    """A job started in the background (``launch(..., background=True)``): kill ranks, then ``finish``."""
+
+    def __init__(self, commands: Sequence[tuple[list[str], dict[str, str]]], out: Path) -> None:
+        self.out = out
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for i, (argv, env) in enumerate(commands):
+            with open(out / f"proc{i}.log", "wb") as sink:
+                self.procs.append(
+                    subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+                )
+
+    def kill(self, index: int) -> None:
+        try:
+            os.killpg(self.procs[index].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def finish(self, deadline_s: float) -> list[int | None]:
+        """Wait up to ``deadline_s`` for the ranks to end, kill what is left; the exit codes."""
+        end = time.monotonic() + deadline_s
+        try:
+            for proc in self.procs:
+                try:
+                    proc.wait(timeout=max(end - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    break
+        finally:
+            _stop([p for p in self.procs if p.poll() is None])
+        return [p.returncode for p in self.procs]
+
+
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     """Leftovers: SIGTERM first (a torchrun agent then stops its workers), SIGKILL to the group after 5 s."""
     for proc in procs:
@@ -110,7 +142,16 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 def launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Job]:
     """``launch(scenario, world, env=..., deadline_s=...)``: one ``python workers.py`` process per rank."""
 
-    def run(scenario: str, world: int, *, env: dict[str, str] | None = None, deadline_s: float = 60) -> Job:
+    def run(
+        scenario: str,
+        world: int,
+        *,
+        env: dict[str, str] | None = None,
+        deadline_s: float = 60,
+        script: Path = WORKERS,
+        rank_env: dict[int, dict[str, str]] | None = None,
+        background: bool = False,
+    ) -> Job | Running:
         out = tmp_path_factory.mktemp(scenario)
         port = str(free_port())
         commands = []
@@ -122,8 +163,11 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Job]:
                 "WORLD_SIZE": str(world),
                 "LOCAL_RANK": str(rank),
                 **(env or {}),
+                **((rank_env or {}).get(rank, {})),
             }
-            commands.append(([sys.executable, str(WORKERS), scenario], _env(out, extra)))
+            commands.append(([sys.executable, str(script), scenario], _env(out, extra)))
+        if background:
+            return Running(commands, out)
         return _run(commands, out, deadline_s)
 
     return run
@@ -134,7 +178,15 @@ def launch_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., J
     """``launch_torchrun(scenario, nnodes, nproc_per_node)``: one torchrun agent per simulated node, all on
     127.0.0.1 (``--nnodes N --node-rank i --master-addr 127.0.0.1``), workers running ``workers.py``."""
 
-    def run(scenario: str, nnodes: int, nproc_per_node: int, *, deadline_s: float = 90) -> Job:
+    def run(
+        scenario: str,
+        nnodes: int,
+        nproc_per_node: int,
+        *,
+        deadline_s: float = 90,
+        script: Path = WORKERS,
+        env: dict[str, str] | None = None,
+    ) -> Job:
         out = tmp_path_factory.mktemp(f"{scenario}-torchrun")
         port = str(free_port())
         commands = []
@@ -149,10 +201,10 @@ def launch_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., J
                 "--master-addr=127.0.0.1",
                 f"--master-port={port}",
                 "--max-restarts=0",
-                str(WORKERS),
+                str(script),
                 scenario,
             ]
-            commands.append((argv, _env(out, {})))
+            commands.append((argv, _env(out, env or {})))
         return _run(commands, out, deadline_s)
 
     return run

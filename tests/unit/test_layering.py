@@ -3,7 +3,7 @@
 The folders are the layers (DESIGN.md section 3); dependencies point down this list only:
 
     apps          cli/, bench/, demo/, testing/, integrations/, the package face (__init__.py)
-    checkpoint    checkpointer, saving, tiers, drain, catalog, commit, restore, export, handle, policy, dist/, dcp/
+    checkpoint    checkpointer, saving, collective, tiers, drain, catalog, commit, restore, export, handle, policy, dist/, dcp/
     planner       planner/ (no torch, no I/O): only the leaves below
     engine        engine/: moves tensor bytes between a state tree and the Storage protocol
     storage       storage/: backends, knowing nothing of checkpoints
@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "tiersave.checkpointer",
             "tiersave.saving",
+            "tiersave.collective",
             "tiersave.tiers",
             "tiersave.drain",
             "tiersave.catalog",

@@ -1,0 +1,234 @@
+"""Many ranks, one checkpoint: the global manifest of a collective save, and each rank's view of it.
+
+Every rank of a ``torch.distributed`` job saves its own state (its shards, its optimizer state, its data
+position and RNG) into one checkpoint per step. Each rank writes its own shard files
+(``shard-RRRRR-SSS.bin``) under one attempt prefix all ranks agree on without a collective; then each rank
+votes with what it wrote (:func:`rank_part`), and rank 0 merges the parts into one manifest
+(:func:`merge_parts`) and commits it only if every rank voted yes (``CoordinationGroup.vote``: one gather and
+one broadcast per save, whatever the number of tensors).
+
+The global manifest stays a plain format-1 manifest: ``world_size`` is the number of ranks, every shard
+records its ``rank``, every tensor is named ``rank-RRRRR/<name>`` and the tree is
+``{"rank-00000": <rank 0's tree>, "rank-00001": ...}``. A reader that knows nothing of ranks still reads
+(and verifies, exports) everything; a rank restores only its own subtree and reads only its own tensors
+(:func:`rank_view`).
+
+Scope: the layout of a collective checkpoint's manifest, the attempt token, and checking that the ranks'
+shards are where rank 0 commits. Anti-scope: the coordination protocol (dist/), writing shards (engine/),
+the commit protocol (commit.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from .commit import tmp_token
+from .errors import ConfigError, CorruptCheckpointError, ObjectNotFoundError, StateMismatchError
+from .format.manifest import Manifest, ShardInfo, TensorEntry
+from .storage.base import Storage
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .dist import CoordinationGroup
+
+__all__ = ["Collective", "join", "merge_parts", "rank_key", "rank_part", "rank_view"]
+
+
+class Collective:
+    """A Checkpointer's place in a ``torch.distributed`` job: its coordination group and the attempt tokens.
+
+    Every rank names a save's attempt prefix from rank 0's token base and a counter that advances with each
+    save, so all ranks write under one prefix with no collective at save start (saves are collective: every
+    rank makes the same saves in the same order). The token keeps rank 0's pid and host, so a crashed
+    attempt's leftovers are recognised as dead by rank 0's host, as for a single process.
+    """
+
+    def __init__(self, group: CoordinationGroup, token_base: str) -> None:
+        self.group = group
+        self.rank = group.rank
+        self.world_size = group.world_size
+        owner, sep, self._secret = token_base.rpartition("-")
+        if not sep or not owner:
+            raise ConfigError(f"rank 0 sent a malformed attempt token base {token_base!r}")
+        self._owner = owner
+        self._counter = itertools.count(1)
+
+    def next_token(self) -> str:
+        """``<rank 0's pid>-<rank 0's host>-<16 hex>``: the form of a single process's token (leftover
+        detection and object-store attempt names rely on it), different for every save."""
+        digest = hashlib.sha256(f"{self._secret}/{next(self._counter)}".encode()).hexdigest()[:16]
+        return f"{self._owner}-{digest}"
+
+
+def join(process_group: Any, timeout_s: float) -> Collective | None:
+    """The Checkpointer's :class:`Collective` when ``torch.distributed`` is initialized with more than one rank
+    (or ``process_group`` is given); None for a single process. Collective: every rank calls it, in order.
+
+    Raises:
+        ConfigError: ``process_group`` given but torch.distributed is not initialized.
+    """
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    if process_group is not None and not initialized:
+        raise ConfigError("process_group was given but torch.distributed is not initialized")
+    if not initialized or (process_group is None and dist.get_world_size() == 1):
+        return None
+    from .dist import CoordinationGroup
+
+    group = CoordinationGroup(timeout_s=timeout_s, process_group=process_group)
+    base = group.broadcast_json(tmp_token() if group.is_coordinator else None)
+    if not isinstance(base, str):
+        raise ConfigError(f"rank 0 sent no attempt token base (got {base!r})")
+    return Collective(group, base)
+
+
+def rank_key(rank: int) -> str:
+    """``rank-00003``: the rank's key in the global tree and the prefix of its tensor names."""
+    return f"rank-{rank:05d}"
+
+
+def rank_part(rank: int, shards: Sequence[ShardInfo], tensors: Mapping[str, TensorEntry], tree: Any) -> dict[str, Any]:
+    """What a rank votes with: its shards, its tensor entries (shard indices local to its shards) and its tree."""
+    return {
+        "rank": rank,
+        "shards": [{"file": s.file, "size": s.size} for s in shards],
+        "tensors": {
+            name: [t.dtype, list(t.shape), t.shard, t.offset, t.nbytes, list(t.crc32c)] for name, t in tensors.items()
+        },
+        "tree": tree,
+    }
+
+
+def merge_parts(
+    step: int,
+    parts: Sequence[Any],
+    *,
+    chunk_bytes: int,
+    metrics: Mapping[str, float],
+    tags: tuple[str, ...],
+    metadata: Mapping[str, Any],
+    stats: Mapping[str, Any],
+) -> Manifest:
+    """Rank 0: the global manifest of every rank's part (``parts[r]`` from rank ``r``), validated.
+
+    Raises:
+        ConfigError: a part does not come from the rank at its position.
+        FormatError: the merged manifest is invalid (a rank sent something malformed).
+    """
+    shards: list[ShardInfo] = []
+    tensors: dict[str, TensorEntry] = {}
+    tree: dict[str, Any] = {}
+    for rank, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("rank") != rank:
+            raise ConfigError(f"step {step}: the part at position {rank} is not rank {rank}'s")
+        base = len(shards)
+        shards.extend(ShardInfo(s["file"], rank, s["size"]) for s in part["shards"])
+        prefix = rank_key(rank) + "/"
+        for name, (dtype, shape, shard, offset, nbytes, crcs) in part["tensors"].items():
+            full = prefix + name
+            tensors[full] = TensorEntry(full, dtype, tuple(shape), base + shard, offset, nbytes, tuple(crcs))
+        tree[rank_key(rank)] = _prefix_refs(part["tree"], prefix)
+    manifest = Manifest(
+        step=step,
+        shards=tuple(shards),
+        tensors=tensors,
+        tree=tree,
+        world_size=len(parts),
+        chunk_bytes=chunk_bytes,
+        metrics=metrics,
+        tags=tags,
+        metadata=metadata,
+        stats=stats,
+    )
+    manifest.validate(path=f"step {step}")
+    return manifest
+
+
+def check_shards_visible(storage: Storage, prefix: str, manifest: Manifest) -> None:
+    """Rank 0, before committing: every rank's shard is where the commit will make it visible, at its size.
+
+    Raises:
+        CorruptCheckpointError: a shard is missing or has another size: the root is not shared by the ranks
+            (each node has its own disk or memory), or a rank's write went elsewhere.
+    """
+    for shard in manifest.shards:
+        key = f"{prefix}/{shard.file.rsplit('/', 1)[-1]}"
+        try:
+            size = storage.head(key).size
+        except ObjectNotFoundError:
+            size = None
+        if size != shard.size:
+            raise CorruptCheckpointError(
+                f"step {manifest.step}: rank {shard.rank}'s shard {shard.file} is "
+                + ("not visible" if size is None else f"{size} bytes, not {shard.size}")
+                + f" to rank 0 under {storage.uri}; every rank must save to one root that all of them see "
+                "(a shared file system or an object store), not a node-local directory",
+                step=manifest.step,
+                file=shard.file,
+            )
+
+
+def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest:
+    """The part of ``manifest`` that ``rank`` of a job of ``world_size`` ranks restores.
+
+    A single-rank checkpoint is its own view for a single-process job. ``rank`` given explicitly (``restore(
+    rank=R)`` in a single process) selects that rank's part of a collective checkpoint.
+
+    Raises:
+        StateMismatchError: the checkpoint was saved by another number of ranks (resharding goes through DCP).
+    """
+    saved = manifest.world_size
+    explicit = world_size == 1 and rank is not None  # restore(rank=R) in a single process
+    if not explicit and saved != world_size:
+        raise StateMismatchError(
+            f"step {manifest.step} was saved by {saved} rank(s) and this job has {world_size}: the native API "
+            "restores onto the same number of ranks only. Reshard through torch.distributed.checkpoint with "
+            "tiersave.dcp (docs/dcp.md), or, in a single process, read one rank's state with restore(rank=R)"
+        )
+    if saved == 1 and not explicit:
+        return manifest
+    if rank is None or not 0 <= rank < saved or saved == 1:
+        raise StateMismatchError(
+            f"step {manifest.step} was saved by {saved} rank(s): there is no rank {rank} to restore"
+            + (" (a single-rank checkpoint: restore it without rank=)" if saved == 1 else "")
+        )
+    key = rank_key(rank)
+    prefix = key + "/"
+    tree = manifest.tree.get(key) if isinstance(manifest.tree, dict) else None
+    if tree is None:
+        raise CorruptCheckpointError(
+            f"step {manifest.step}: the manifest has no state for rank {rank}", step=manifest.step
+        )
+    tensors = {name: t for name, t in manifest.tensors.items() if name.startswith(prefix)}
+    return replace(manifest, tree=tree, tensors=tensors)
+
+
+def _prefix_refs(tree: Any, prefix: str) -> Any:
+    """A copy of an encoded tree whose tensor references (``$tensor``, ``$ndarray``) carry ``prefix``.
+
+    Iterative: trees are deep-capped, but nothing here should depend on the recursion limit."""
+    out: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(tree, out, 0)]
+    while stack:
+        node, parent, key = stack.pop()
+        if isinstance(node, list):
+            copy: Any = [None] * len(node)
+            stack.extend((v, copy, i) for i, v in enumerate(node))
+        elif isinstance(node, dict):
+            if len(node) == 1:
+                ((tag, payload),) = node.items()
+                if tag in ("$tensor", "$ndarray") and isinstance(payload, str):
+                    parent[key] = {tag: prefix + payload}
+                    continue
+            copy = {}
+            for k, v in node.items():
+                copy[k] = None
+                stack.append((v, copy, k))
+        else:
+            copy = node
+        parent[key] = copy
+    return out[0]
