@@ -110,7 +110,7 @@ class S3Storage:
     # -- errors -----------------------------------------------------------------------------------
 
     def _errors(self, action: str, key: str) -> contextlib.AbstractContextManager[None]:
-        return mapped_errors(self.uri, action, key)
+        return mapped_errors(self.uri, action, key, self.options)
 
     def _read_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
