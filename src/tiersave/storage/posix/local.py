@@ -110,9 +110,10 @@ class LocalStorage:
             except OSError as exc:
                 raise storage_error_from_os(exc, tier=str(path), key="", action="creating root") from None
         self.root = path.resolve()
-        check_root(self.root)
         self.uri = self.root.as_uri()
-        self._dirs = DirWalk(self.root, self.uri)
+        with os_errors(self.uri, "opening root", ""):
+            check_root(self.root)
+            self._dirs = DirWalk(self.root, self.uri)
         self.fstype = filesystem_type(self.root)
         self.capabilities = StorageCapabilities(
             atomic_rename=True,
