@@ -21,6 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingA
 
 import tiersave
 from tiersave.integrations.hf import TiersaveTrainer, retention_for
+from tiersave.storage.memory import shm_base
 from tiersave.tiers import Tier
 
 pytestmark = pytest.mark.timeout(180)
@@ -92,7 +93,7 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def mem_uri():
     name = f"test-hf-{uuid.uuid4().hex[:12]}"
     yield f"mem://{name}"
-    shutil.rmtree(f"/dev/shm/tiersave/{name}", ignore_errors=True)
+    shutil.rmtree(shm_base() / name, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

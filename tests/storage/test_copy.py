@@ -149,8 +149,8 @@ def test_destination_failure_leaves_nothing(local_ckpts, tmp_path, op):
 class _BitRotStorage(FaultyStorage):
     """Stores one flipped bit in the first chunk it writes (a device that corrupts data at rest)."""
 
-    def open_writer(self, key):
-        inner = self.inner.open_writer(key)
+    def open_writer(self, key, *, size_hint=None):
+        inner = self.inner.open_writer(key, size_hint=size_hint)
         owner = self
 
         class Writer:

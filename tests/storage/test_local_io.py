@@ -268,7 +268,7 @@ def test_direct_descriptor_must_be_the_same_file(tmp_path: Path, monkeypatch: py
     other = tmp_path / "other"
     other.write_bytes(b"x")
     real_open = local.open_direct
-    monkeypatch.setattr(local, "open_direct", lambda path, flags: real_open(other, os.O_RDONLY))
+    monkeypatch.setattr(local, "open_direct", lambda path, flags, **kw: real_open(other, os.O_RDONLY))
     storage = LocalStorage(tmp_path / "s", io="direct")
     with pytest.raises(FormatError, match="was replaced"):
         storage.open_writer("f")
@@ -289,7 +289,7 @@ def test_symlinked_shard_is_refused_in_direct_mode(tmp_path: Path) -> None:
 def test_preallocation_is_trimmed_to_the_final_size(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path, io="direct")
     writer = storage.open_writer("f")
-    writer.write_at(0, buffer(payload(1 << 20), True))  # reserves at least 256 MiB ahead
+    writer.write_at(0, buffer(payload(1 << 20), True))  # reserves ahead of what was written
     writer.finish((1 << 20) + 4096)
     st = os.stat(tmp_path / "f")
     assert st.st_size == (1 << 20) + 4096

@@ -186,7 +186,8 @@ class StagedWrite:
         self.writers: list[BlobWriter] = []
         try:
             for shard in plan.shards:
-                self.writers.append(storage.open_writer(f"{prefix}/{shard.file}"))
+                # the planned size bounds a file writer's preallocation (a killed save leaves no more)
+                self.writers.append(storage.open_writer(f"{prefix}/{shard.file}", size_hint=shard.size))
         except BaseException:
             self.abort()
             raise

@@ -9,7 +9,7 @@ before touching the file system, so a name from a checkpoint can never escape th
 
 Call protocol for writing one checkpoint (see ``tiersave.commit``):
 
-1. ``open_writer(key)`` for each shard; ``write_at`` from any number of threads; ``finish(size)`` makes
+1. ``open_writer(key, size_hint=n)`` for each shard; ``write_at`` from any number of threads; ``finish(size)`` makes
    the shard durable (fsync, or the upload completed); ``abort()`` discards it.
 2. ``put(manifest_key, data, mode="create")`` writes the manifest atomically and durably.
 3. Backends with ``capabilities.atomic_rename`` then ``rename_prefix(tmp, final)``; the rename is the
@@ -103,8 +103,13 @@ class Storage(Protocol):
 
     def open_reader(self, key: str) -> BlobReader: ...
 
-    def open_writer(self, key: str) -> BlobWriter:
-        """Start writing a new object; fails with :class:`AlreadyExistsError` if ``key`` exists."""
+    def open_writer(self, key: str, *, size_hint: int | None = None) -> BlobWriter:
+        """Start writing a new object; fails with :class:`AlreadyExistsError` if ``key`` exists.
+
+        ``size_hint`` is the object's final size when the caller knows it (a shard's planned size). A
+        backend may use it to size its allocation: a file-system writer preallocates no more than this,
+        so a writer killed midway leaves no more than the object would have held. Writing past it works.
+        """
 
     def head(self, key: str) -> ObjectInfo:
         """Size and modification time; raises :class:`ObjectNotFoundError`."""

@@ -1,6 +1,6 @@
 """The memory tier: checkpoints in shared memory (``/dev/shm``) on this node, ``mem://NAME``.
 
-Scope: a :class:`~tiersave.storage.posix.LocalStorage` rooted at ``/dev/shm/tiersave/NAME`` (tmpfs), so
+Scope: a :class:`~tiersave.storage.posix.LocalStorage` rooted at ``/dev/shm/tiersave-<uid>/NAME`` (tmpfs), so
 the same atomic-rename commit applies and a checkpoint there outlives the process that wrote it: after a
 crash, a new process on the same node restores from RAM instead of disk. It does not survive a reboot or
 the loss of the node (``capabilities.durable`` is False), so a chain drains it to a durable tier.
@@ -12,7 +12,11 @@ known); :meth:`MemoryStorage.destroy` removes the whole namespace, and :func:`na
 exists on this node with its size.
 
 The base directory is ``TIERSAVE_SHM_DIR`` if set (tests, or a host whose tmpfs is elsewhere), else
-``/dev/shm/tiersave``.
+``/dev/shm/tiersave-<uid>``: one per user, created with mode 0700. On a node shared by several users it
+must be private: a base that is a link, is owned by another user or is writable by group or others is
+refused with a :class:`ConfigError` (:func:`~tiersave.storage.posix.trust.check_private_dir`), since whoever
+can write there could delete or replace checkpoints or plant links. Everything under it is then opened
+with the same link and special-file rules as a local root.
 """
 
 from __future__ import annotations
@@ -25,15 +29,26 @@ from pathlib import Path
 
 from ..errors import ConfigError, storage_error_from_os
 from .posix import LocalStorage
+from .posix.trust import check_private_dir
 
 __all__ = ["MemoryNamespace", "MemoryStorage", "namespaces", "shm_base"]
 
+_SHM_ENV = "TIERSAVE_SHM_DIR"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def shm_base() -> Path:
-    """The directory holding every memory-tier namespace of this node."""
-    return Path(os.environ.get("TIERSAVE_SHM_DIR") or "/dev/shm/tiersave")
+    """The directory holding this user's memory-tier namespaces on this node (``/dev/shm/tiersave-<uid>``)."""
+    return Path(os.environ.get(_SHM_ENV) or f"/dev/shm/tiersave-{os.geteuid()}")
+
+
+def _check_base(base: Path) -> None:
+    check_private_dir(
+        base,
+        what="memory-tier directory",
+        fix=f"Remove it (if it is not yours, ask its owner or an administrator) or point {_SHM_ENV} at a "
+        "private directory on a tmpfs.",
+    )
 
 
 def check_name(name: str) -> str:
@@ -62,6 +77,8 @@ class MemoryStorage(LocalStorage):
                 base.mkdir(parents=True, exist_ok=True, mode=0o700)
             except OSError as exc:
                 raise storage_error_from_os(exc, tier=f"mem://{name}", key="", action="creating") from None
+        if create or os.path.lexists(base):
+            _check_base(base)  # before anything is created or read under it
         # tmpfs: direct I/O buys nothing (there is no device), whatever TIERSAVE_IO says
         super().__init__(base.joinpath(*name.split("/")), create=create, io="buffered")
         self.uri = f"mem://{name}"

@@ -94,9 +94,9 @@ class FaultyStorage:
         self._tick("open_reader", key)
         return _FaultyReader(self, self.inner.open_reader(key))
 
-    def open_writer(self, key: str) -> BlobWriter:
+    def open_writer(self, key: str, *, size_hint: int | None = None) -> BlobWriter:
         self._tick("open_writer", key)
-        return _FaultyWriter(self, self.inner.open_writer(key))
+        return _FaultyWriter(self, self.inner.open_writer(key, size_hint=size_hint))
 
     def head(self, key: str) -> ObjectInfo:
         self._tick("head", key)

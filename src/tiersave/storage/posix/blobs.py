@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Protocol
 
 from ...errors import CorruptCheckpointError, StorageError
@@ -31,7 +31,7 @@ from .directio import (
     pwrite_direct,
     split_aligned,
 )
-from .files import os_errors, read_all, unlink_quiet, write_all
+from .files import os_errors, read_all, write_all
 from .policy import Decision, IOPolicy, IOStats
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,19 @@ class LocalBlobWriter:
         io_stats: what this writer moved on each path (thread-safe).
     """
 
-    def __init__(self, storage: BlobHost, key: str, path: Path, fd: int, dfd: int | None = None) -> None:
+    def __init__(
+        self,
+        storage: BlobHost,
+        key: str,
+        fd: int,
+        dfd: int | None = None,
+        *,
+        discard: Callable[[], None],
+        size_hint: int | None = None,
+    ) -> None:
         self.key = key
         self._storage = storage
-        self._path = path
+        self._discard = discard  # removes the file by its key (walked again without following links)
         self._fd: int | None = fd
         self._dfd = dfd
         self.io_stats = IOStats()
@@ -89,6 +98,9 @@ class LocalBlobWriter:
         self._lock = threading.Lock()
         self._reserved = 0  # bytes preallocated from the start of the file (see _reserve)
         self._prealloc = dfd is not None
+        # Never preallocate past the size the caller announced: a save killed midway leaves at most that.
+        align = self._align.offset
+        self._prealloc_limit = None if size_hint is None else -(-size_hint // align) * align
 
     @property
     def direct(self) -> bool:
@@ -121,15 +133,22 @@ class LocalBlobWriter:
     def _reserve(self, dfd: int, end: int) -> None:
         """Preallocate the file up to at least ``end`` so that direct writes are in-place overwrites.
 
-        The file grows in steps of at least ``_PREALLOC_STEP_BYTES`` (or an eighth of its size), since the
-        final size is known only at ``finish``, which trims the excess.
+        The file grows in steps of ``_PREALLOC_STEP_BYTES`` (or an eighth of its size), bounded by the size
+        hint given to ``open_writer``; without one, a step never more than doubles what was written, so a
+        writer killed midway leaves at most about twice the bytes it had written. ``finish`` trims the excess.
         """
         if not self._prealloc or end <= self._reserved:
             return
         with self._lock:
             if not self._prealloc or end <= self._reserved:
                 return
-            target = max(end, self._reserved + max(_PREALLOC_STEP_BYTES, self._reserved // 8))
+            grow = max(_PREALLOC_STEP_BYTES, self._reserved // 8)
+            limit = self._prealloc_limit
+            if limit is None:
+                grow = min(grow, max(end, self._reserved))
+            target = max(end, self._reserved + grow)
+            if limit is not None:
+                target = max(end, min(target, limit))
             if preallocate(dfd, self._reserved, target - self._reserved):
                 self._reserved = target
             elif target > end and preallocate(dfd, self._reserved, end - self._reserved):
@@ -225,7 +244,7 @@ class LocalBlobWriter:
 
     def abort(self) -> None:
         self._close()
-        unlink_quiet(self._path)
+        self._discard()
 
 
 class LocalBlobReader:

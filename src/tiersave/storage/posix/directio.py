@@ -200,8 +200,11 @@ def refuse_direct_io() -> Iterator[None]:
             _refuse_depth -= 1
 
 
-def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int | None:
-    """Open ``path`` with ``O_DIRECT`` added to ``flags``, never following a final symbolic link.
+def open_direct(
+    path: str | os.PathLike[str], flags: int, mode: int = 0o644, *, dir_fd: int | None = None
+) -> int | None:
+    """Open ``path`` (relative to ``dir_fd`` when given) with ``O_DIRECT`` added to ``flags``, never
+    following a final symbolic link.
 
     Returns:
         The descriptor, or None when the file system refuses direct I/O (``EINVAL``/``EOPNOTSUPP`` on
@@ -215,7 +218,7 @@ def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> 
     if _refuse_depth:
         return None
     try:
-        return os.open(path, flags | O_DIRECT | _O_NOFOLLOW | _O_CLOEXEC, mode)
+        return os.open(path, flags | O_DIRECT | _O_NOFOLLOW | _O_CLOEXEC, mode, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in _REFUSED:
             log.debug("O_DIRECT refused for %s: %s", path, exc)

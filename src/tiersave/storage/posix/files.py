@@ -2,10 +2,10 @@
 
 Scope: the small system-call wrappers that :class:`~tiersave.storage.posix.LocalStorage` and its blob
 writers and readers share: ``fsync`` of a directory, rename without replacing
-(``renameat2(RENAME_NOREPLACE)``), the file-system type of a path, opening a regular file without
-following a link, ``pwrite``/``pread`` loops, and the mapping of ``OSError`` to tiersave's typed
-storage errors. Anti-scope: direct I/O (:mod:`tiersave.storage.posix.directio`), the choice of path
-(:mod:`tiersave.storage.posix.policy`), keys and the storage protocol (:mod:`tiersave.storage.base`).
+(``renameat2(RENAME_NOREPLACE)``), the file-system type of a path, ``pwrite``/``pread`` loops, and the
+mapping of ``OSError`` to tiersave's typed storage errors. Anti-scope: direct I/O
+(:mod:`tiersave.storage.posix.directio`), the choice of path (:mod:`tiersave.storage.posix.policy`), keys
+and the storage protocol (:mod:`tiersave.storage.base`), walking keys safely (``safepath``).
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ import errno
 import os
 import stat
 from collections.abc import Iterator
-from pathlib import Path
 
-from ...errors import CorruptCheckpointError, FormatError, ObjectNotFoundError, StorageError, storage_error_from_os
+from ...errors import CorruptCheckpointError, StorageError, storage_error_from_os
 
 __all__ = [
     "O_CLOEXEC",
     "filesystem_type",
     "fsync_dir",
-    "open_regular",
     "os_errors",
     "read_all",
     "rename_noreplace",
@@ -33,7 +31,6 @@ __all__ = [
 ]
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 _AT_FDCWD = -100
@@ -54,8 +51,12 @@ def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 _renameat2 = _load_renameat2()
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """``fsync`` a directory so that entries created, renamed or removed in it are durable."""
+def fsync_dir(path: str | os.PathLike[str] | int) -> None:
+    """``fsync`` a directory (a path, or a descriptor) so that entries created, renamed or removed in it are
+    durable."""
+    if isinstance(path, int):
+        os.fsync(path)
+        return
     fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -63,23 +64,32 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def rename_noreplace(src: str, dst: str) -> None:
+def rename_noreplace(src: str, dst: str, *, src_dir_fd: int = _AT_FDCWD, dst_dir_fd: int = _AT_FDCWD) -> None:
     """Rename ``src`` to ``dst``, failing with ``FileExistsError`` if ``dst`` exists.
+
+    Names are relative to ``src_dir_fd``/``dst_dir_fd`` when given (``renameat2``), so a caller that reached
+    those directories without following links renames exactly there.
 
     Uses ``renameat2(RENAME_NOREPLACE)``. Where the kernel or file system lacks it, falls back to
     ``rename(2)``, which for directories refuses to replace a non-empty directory (and a committed
     checkpoint always holds its manifest).
     """
     if _renameat2 is not None:
-        rc = _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
+        rc = _renameat2(src_dir_fd, os.fsencode(src), dst_dir_fd, os.fsencode(dst), _RENAME_NOREPLACE)
         if rc == 0:
             return
         err = ctypes.get_errno()
         if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
             raise OSError(err, os.strerror(err), dst)
-    if os.path.lexists(dst) and not os.path.isdir(dst):
+    src_fd = None if src_dir_fd == _AT_FDCWD else src_dir_fd
+    dst_fd = None if dst_dir_fd == _AT_FDCWD else dst_dir_fd
+    try:
+        existing = os.stat(dst, dir_fd=dst_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        existing = None
+    if existing is not None and not stat.S_ISDIR(existing):
         raise FileExistsError(errno.EEXIST, "File exists", dst)
-    os.rename(src, dst)
+    os.rename(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
 
 
 def filesystem_type(path: str | os.PathLike[str]) -> str:
@@ -113,29 +123,6 @@ def os_errors(tier: str, action: str, key: str) -> Iterator[None]:
         raise storage_error_from_os(exc, tier=tier, key=key, action=action) from None
 
 
-def open_regular(path: Path, key: str) -> int:
-    """Open ``path`` read-only without following a link at its last component; it must be a regular file.
-
-    Raises:
-        FormatError: ``path`` is a symbolic link.
-        ObjectNotFoundError: ``path`` is not a regular file.
-        OSError: any other failure to open (the caller maps it).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise FormatError(
-                f"{key!r} is a symbolic link; tiersave never follows links in a checkpoint", path=key
-            ) from None
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise ObjectNotFoundError(f"{key!r} is not a regular file", key=key)
-    return fd
-
-
 def write_all(fd: int, data: memoryview, offset: int) -> None:
     """``pwrite`` all of ``data`` at ``offset`` (buffered), looping over short writes."""
     view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
@@ -165,7 +152,7 @@ def read_all(fd: int, out: memoryview, offset: int, key: str) -> None:
         offset += n
 
 
-def unlink_quiet(path: str | os.PathLike[str]) -> None:
-    """Remove a file; one that is already gone is not an error."""
+def unlink_quiet(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> None:
+    """Remove a file (relative to ``dir_fd`` when given); one that is already gone is not an error."""
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)

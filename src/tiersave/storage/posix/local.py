@@ -9,8 +9,13 @@ can do (``capabilities``). Anti-scope: the writers' and readers' per-request I/O
 
 Durability follows the recipe in docs/format.md section 6: files are created with ``O_EXCL``, written,
 ``fsync``-ed; a whole-object ``put`` goes through a temporary file, ``fsync``, rename (or ``link`` for
-create-only) and an ``fsync`` of the directory. Reads never follow a symbolic link at the last component
-and refuse anything that is not a regular file.
+create-only) and an ``fsync`` of the directory.
+
+Every key is reached from the root one component at a time without following a link
+(:mod:`tiersave.storage.posix.safepath`): reading through a link is a ``FormatError``; listing and ``head``
+treat what lies behind a link as absent. Reads refuse anything but a regular file before any open can block
+(a FIFO in place of a shard). A root that another user can write is refused when it is opened
+(:mod:`tiersave.storage.posix.trust`).
 
 Shard writers and readers choose direct or buffered I/O per request (``io=`` option, ``TIERSAVE_IO``;
 rules in :mod:`tiersave.storage.posix.policy`, mechanics in :mod:`tiersave.storage.posix.directio`). A
@@ -22,8 +27,8 @@ refuses ``O_DIRECT`` gets buffered I/O, never an error. O_DIRECT is not durabili
 from __future__ import annotations
 
 import builtins
+import functools
 import os
-import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +50,6 @@ from .files import (
     O_CLOEXEC,
     filesystem_type,
     fsync_dir,
-    open_regular,
     os_errors,
     read_all,
     rename_noreplace,
@@ -53,9 +57,13 @@ from .files import (
     write_all,
 )
 from .policy import IOMode, IOPolicy, IOStats, bounce_bytes, direct_min_bytes, io_mode_from_env, parse_io_mode
+from .safepath import DirWalk, clear_nonblock, open_regular_at, remove_tree_at
+from .trust import check_root
 
 __all__ = ["LocalStorage"]
 
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _VOLATILE_FS = {"tmpfs", "ramfs"}
 _NO_DIRECT_FS = {"ramfs"}  # known to refuse O_DIRECT on open; others are found out by trying
 _SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "fuse.juicefs", "ceph", "9p"}
@@ -103,6 +111,9 @@ class LocalStorage:
                 raise storage_error_from_os(exc, tier=str(path), key="", action="creating root") from None
         self.root = path.resolve()
         self.uri = self.root.as_uri()
+        with os_errors(self.uri, "opening root", ""):
+            check_root(self.root)
+            self._dirs = DirWalk(self.root, self.uri)
         self.fstype = filesystem_type(self.root)
         self.capabilities = StorageCapabilities(
             atomic_rename=True,
@@ -140,40 +151,42 @@ class LocalStorage:
     # -- whole objects ----------------------------------------------------------------------------
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
-        final = self.path(key)
-        tmp = final.with_name(f".{final.name}.put-{new_token()}")
-        with os_errors(self.uri, "writing", key):
-            final.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o644)
+        parts = check_key(key)
+        name = parts[-1]
+        tmp = f".{name}.put-{new_token()}"
+        with os_errors(self.uri, "writing", key), self._dirs.parent(parts, key, create=True) as dfd:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | _O_NOFOLLOW, 0o644, dir_fd=dfd)
             try:
                 write_all(fd, memoryview(data), 0)
                 os.fsync(fd)
             except BaseException:
                 os.close(fd)
-                unlink_quiet(tmp)
+                unlink_quiet(tmp, dir_fd=dfd)
                 raise
             os.close(fd)
             try:
                 if mode == "create":
-                    os.link(tmp, final)  # fails with EEXIST instead of replacing
-                    os.unlink(tmp)
+                    # fails with EEXIST instead of replacing
+                    os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                    os.unlink(tmp, dir_fd=dfd)
                 else:
-                    os.replace(tmp, final)
+                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             except FileExistsError:
-                unlink_quiet(tmp)
+                unlink_quiet(tmp, dir_fd=dfd)
                 raise AlreadyExistsError(
                     f"{key!r} already exists on {self.uri}; create-only write refused to replace it",
                     tier=self.uri,
                     key=key,
                 ) from None
             except BaseException:
-                unlink_quiet(tmp)
+                unlink_quiet(tmp, dir_fd=dfd)
                 raise
-            fsync_dir(final.parent)
+            fsync_dir(dfd)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        with os_errors(self.uri, "reading", key):
-            fd = open_regular(self.path(key), key)
+        parts = check_key(key)
+        with os_errors(self.uri, "reading", key), self._dirs.parent(parts, key) as dfd:
+            fd = open_regular_at(dfd, parts[-1], key)
             try:
                 size = os.fstat(fd).st_size
                 if max_bytes is not None and size > max_bytes:
@@ -188,53 +201,63 @@ class LocalStorage:
 
     # -- large objects ----------------------------------------------------------------------------
 
-    def open_writer(self, key: str) -> LocalBlobWriter:
-        path = self.path(key)
-        with os_errors(self.uri, "creating", key):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o644)
+    def open_writer(self, key: str, *, size_hint: int | None = None) -> LocalBlobWriter:
+        """Create ``key`` (``O_EXCL``) for writing; ``size_hint`` bounds the preallocation (see the protocol)."""
+        parts = check_key(key)
+        name = parts[-1]
+        if size_hint is not None and (isinstance(size_hint, bool) or not isinstance(size_hint, int) or size_hint < 0):
+            raise ConfigError(f"size_hint must be a non-negative integer or None, got {size_hint!r}")
+        with os_errors(self.uri, "creating", key), self._dirs.parent(parts, key, create=True) as dirfd:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | _O_NOFOLLOW, 0o644, dir_fd=dirfd)
             try:
-                dfd = self._open_direct_twin(path, fd, os.O_WRONLY)
+                dfd = self._open_direct_twin(dirfd, name, key, fd, os.O_WRONLY)
             except BaseException:
                 os.close(fd)
-                unlink_quiet(path)
+                unlink_quiet(name, dir_fd=dirfd)
                 raise
-        return LocalBlobWriter(self, key, path, fd, dfd)
+        return LocalBlobWriter(self, key, fd, dfd, discard=functools.partial(self.delete, key), size_hint=size_hint)
 
     def open_reader(self, key: str) -> LocalBlobReader:
-        path = self.path(key)
-        with os_errors(self.uri, "opening", key):
-            fd = open_regular(path, key)
+        parts = check_key(key)
+        with os_errors(self.uri, "opening", key), self._dirs.parent(parts, key) as dirfd:
+            fd = open_regular_at(dirfd, parts[-1], key)
             try:
-                dfd = self._open_direct_twin(path, fd, os.O_RDONLY)
+                dfd = self._open_direct_twin(dirfd, parts[-1], key, fd, os.O_RDONLY)
             except BaseException:
                 os.close(fd)
                 raise
         return LocalBlobReader(self, key, fd, dfd)
 
-    def _open_direct_twin(self, path: Path, fd: int, flags: int) -> int | None:
+    def _open_direct_twin(self, dirfd: int, name: str, key: str, fd: int, flags: int) -> int | None:
         """A second, O_DIRECT descriptor of the file open as ``fd``; None when direct I/O is off or refused.
 
-        The path is opened again without following links and must name the same inode, so a file swapped
-        in between the two opens is never used.
+        The name is opened again in the same directory, without following a link and without blocking, and
+        must name the same inode, so a file (or a FIFO) swapped in between the two opens is never used.
         """
         if not self.io_policy.wants_direct():
             return None
-        dfd = open_direct(path, flags)
+        dfd = open_direct(name, flags | _O_NONBLOCK, dir_fd=dirfd)
         if dfd is None:
             self.io_policy.mark_refused("EINVAL on open(O_DIRECT)")
             return None
         a, b = os.fstat(fd), os.fstat(dfd)
         if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
             os.close(dfd)
-            raise FormatError(f"{path} was replaced while it was being opened", path=str(path))
+            raise FormatError(f"{key!r} on {self.uri} was replaced while it was being opened", path=key)
+        clear_nonblock(dfd)
         return dfd
 
     # -- metadata ---------------------------------------------------------------------------------
 
     def head(self, key: str) -> ObjectInfo:
-        with os_errors(self.uri, "inspecting", key):
-            st = os.stat(self.path(key), follow_symlinks=False)
+        parts = check_key(key)
+        try:
+            with os_errors(self.uri, "inspecting", key), self._dirs.parent(parts, key) as dfd:
+                st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+        except FormatError:  # a link on the way: nothing reached through it belongs to this storage
+            raise ObjectNotFoundError(
+                f"{key!r} on {self.uri} lies behind a symbolic link (never followed)", tier=self.uri, key=key
+            ) from None
         if not stat.S_ISREG(st.st_mode):
             raise ObjectNotFoundError(f"{key!r} on {self.uri} is not a regular file", tier=self.uri, key=key)
         return ObjectInfo(key, st.st_size, st.st_mtime)
@@ -246,62 +269,100 @@ class LocalStorage:
             return False
         return True
 
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        base = self.path(prefix, allow_empty=True)
-        for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
-            rel = os.path.relpath(dirpath, self.root)
-            for name in filenames:
-                key = name if rel == "." else f"{rel}/{name}"
-                try:
-                    st = os.stat(os.path.join(dirpath, name), follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # removed while listing
-                if stat.S_ISREG(st.st_mode):
-                    yield ObjectInfo(key, st.st_size, st.st_mtime)
-            dirnames.sort()
-
-    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
-        base = self.path(prefix, allow_empty=True)
+    def _open_prefix(self, prefix: str) -> int | None:
+        """A descriptor of the directory ``prefix``; None when it is missing, not a directory, or a link
+        (listing never follows one: what lies behind it is not part of this storage)."""
+        parts = check_key(prefix, allow_empty=True)
         try:
-            with os.scandir(base) as it:
-                return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
-        except FileNotFoundError:
-            return []
+            with os_errors(self.uri, "listing", prefix):
+                return self._dirs.open_dirs(parts, prefix)
+        except (ObjectNotFoundError, FormatError):
+            return None
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        top = self._open_prefix(prefix)
+        if top is None:
+            return
+        try:
+            # fwalk descends through directory descriptors and never into a link, even one swapped in mid-walk
+            for dirpath, dirnames, filenames, dirfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+                rel = "/".join(p for p in (prefix, dirpath[2:]) if p)
+                for name in filenames:
+                    try:
+                        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # removed while listing
+                    if stat.S_ISREG(st.st_mode):
+                        yield ObjectInfo(f"{rel}/{name}" if rel else name, st.st_size, st.st_mtime)
+                dirnames.sort()
         except OSError as exc:
             raise storage_error_from_os(exc, tier=self.uri, key=prefix, action="listing") from None
+        finally:
+            os.close(top)
+
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
+        top = self._open_prefix(prefix)
+        if top is None:
+            return []
+        try:
+            with os.scandir(top) as it:
+                return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+        except OSError as exc:
+            raise storage_error_from_os(exc, tier=self.uri, key=prefix, action="listing") from None
+        finally:
+            os.close(top)
 
     # -- deletion and rename ----------------------------------------------------------------------
 
     def delete(self, key: str) -> None:
-        with os_errors(self.uri, "deleting", key):
-            unlink_quiet(self.path(key))
+        parts = check_key(key)
+        try:
+            with os_errors(self.uri, "deleting", key), self._dirs.parent(parts, key) as dfd:
+                unlink_quiet(parts[-1], dir_fd=dfd)  # a link itself is removed, never followed
+        except ObjectNotFoundError:
+            return  # its directory is missing: so is the object
 
     def delete_prefix(self, prefix: str) -> None:
-        path = self.path(prefix)
-        with os_errors(self.uri, "deleting", prefix):
-            if path.is_symlink() or path.is_file():
-                path.unlink()
-            elif path.exists():
-                shutil.rmtree(path)
+        parts = check_key(prefix)
+        try:
+            with os_errors(self.uri, "deleting", prefix), self._dirs.parent(parts, prefix) as dfd:
+                try:
+                    mode = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False).st_mode
+                except FileNotFoundError:
+                    return
+                if stat.S_ISDIR(mode):
+                    remove_tree_at(dfd, parts[-1])
+                else:
+                    os.unlink(parts[-1], dir_fd=dfd)
+        except ObjectNotFoundError:
+            return
 
     def rename_prefix(self, src: str, dst: str) -> None:
-        src_path, dst_path = self.path(src), self.path(dst)
-        with os_errors(self.uri, "renaming", f"{src} -> {dst}"):
+        src_parts, dst_parts = check_key(src), check_key(dst)
+        with (
+            os_errors(self.uri, "renaming", f"{src} -> {dst}"),
+            self._dirs.parent(src_parts, src) as src_dir,
+            self._dirs.parent(dst_parts, dst) as dst_dir,
+        ):
             try:
-                rename_noreplace(str(src_path), str(dst_path))
+                rename_noreplace(src_parts[-1], dst_parts[-1], src_dir_fd=src_dir, dst_dir_fd=dst_dir)
             except FileExistsError:
                 raise AlreadyExistsError(
                     f"{dst!r} already exists on {self.uri}; refusing to replace it", tier=self.uri, key=dst
                 ) from None
             crashpoint("after_rename")
-            fsync_dir(dst_path.parent)
-            if src_path.parent != dst_path.parent:
-                fsync_dir(src_path.parent)
+            fsync_dir(dst_dir)
+            if src_parts[:-1] != dst_parts[:-1]:
+                fsync_dir(src_dir)
 
     def sync_prefix(self, prefix: str) -> None:
         """``fsync`` the directory ``prefix`` itself (its entries become durable)."""
         with os_errors(self.uri, "syncing", prefix):
-            fsync_dir(self.path(prefix))
+            fd = self._dirs.open_dirs(check_key(prefix), prefix)
+            try:
+                fsync_dir(fd)
+            finally:
+                os.close(fd)
 
     def close(self) -> None:
         pass

@@ -173,6 +173,7 @@ class S3Control:
             action=action,
             status=status or None,
             body=text,
+            options=self.options,
         )
 
     def list_uploads(self, prefix: str) -> list[MultipartUpload]:
@@ -221,7 +222,13 @@ class S3Control:
         if status == 409 and b"BucketAlreadyOwnedByYou" not in body:
             text = body[:4096].decode("utf-8", "replace")
             raise map_s3_error(
-                StorageError("conflict"), tier=self.options.uri, key="", action="creating bucket", status=409, body=text
+                StorageError("conflict"),
+                tier=self.options.uri,
+                key="",
+                action="creating bucket",
+                status=409,
+                body=text,
+                options=self.options,
             )
 
 

@@ -24,6 +24,7 @@ from ...errors import (
     TiersaveError,
     TransientStorageError,
 )
+from .options import S3Options
 
 _STATUS_RE = re.compile(r"status(?: code)?:? (\d{3})", re.IGNORECASE)
 _CODE_RE = re.compile(r"<Code>([A-Za-z0-9]+)</Code>")
@@ -56,7 +57,14 @@ def _is_transient(exc: BaseException, status: int | None, lowered: str) -> bool:
 
 
 def map_s3_error(
-    exc: BaseException, *, tier: str, key: str, action: str, status: int | None = None, body: str = ""
+    exc: BaseException,
+    *,
+    tier: str,
+    key: str,
+    action: str,
+    status: int | None = None,
+    body: str = "",
+    options: S3Options | None = None,
 ) -> StorageError:
     """Map an obstore exception, or an HTTP status of our own request, to a :class:`StorageError`.
 
@@ -70,6 +78,8 @@ def map_s3_error(
         action: what was being done (``"writing"``), for the message.
         status: the HTTP status when known (our own signed requests, ``control.py``).
         body: the response body when known.
+        options: the storage's options: an error an operator must fix (access refused, no such bucket, no
+            connection) then says where it connected and with what (:meth:`S3Options.access_summary`).
     """
     if isinstance(exc, StorageError):
         return exc
@@ -101,21 +111,31 @@ def map_s3_error(
         cls = TransientStorageError
     else:
         cls = StorageError
+    # Errors an operator fixes in the setup (refused access, a missing bucket, no connection at all) say
+    # where the request went and with what; a missing key or a lost race is the normal flow and does not.
+    setup_problem = (
+        cls is PermissionDeniedError
+        or code == "NoSuchBucket"
+        or (status is None and cls in (StorageError, TransientStorageError))
+    )
+    if options is not None and setup_problem:
+        message += f" [{options.access_summary()}]"
     return cls(message, tier=tier, key=key)
 
 
 @contextlib.contextmanager
-def mapped_errors(tier: str, action: str, key: str) -> Iterator[None]:
+def mapped_errors(tier: str, action: str, key: str, options: S3Options | None = None) -> Iterator[None]:
     """Re-raise any non-tiersave exception of the block as :func:`map_s3_error` maps it.
 
     Args:
         tier: the storage URI.
         action: what the block does (``"reading"``), for the message.
         key: the key relative to the storage root.
+        options: the storage's options, for errors an operator must fix (see :func:`map_s3_error`).
     """
     try:
         yield
     except TiersaveError:
         raise
     except Exception as exc:
-        raise map_s3_error(exc, tier=tier, key=key, action=action) from exc
+        raise map_s3_error(exc, tier=tier, key=key, action=action, options=options) from exc

@@ -76,6 +76,10 @@ class S3Options:
     retry_timeout_s: float = 60.0
     timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
+    origin: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
+    """Where ``endpoint`` and the credentials came from, and the names of the ``AWS_*`` variables that were
+    set (``("aws_env", "AWS_REGION,AWS_PROFILE")``); names only, never values. Filled by :meth:`from_uri`,
+    used by :meth:`access_summary` for error messages."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket, str) or not _BUCKET_RE.match(self.bucket) or ".." in self.bucket:
@@ -107,6 +111,35 @@ class S3Options:
     def uri(self) -> str:
         """``s3://bucket/prefix``: names the tier in messages; holds no option and no secret."""
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def access_summary(self) -> str:
+        """Where this storage connects and with what, for an operator reading an access error.
+
+        Names the endpoint, the bucket, the region, where the endpoint and credentials came from, and which
+        ``AWS_*`` variables were set (names only: no key, secret or token ever appears).
+        """
+        origin = dict(self.origin)
+        if self.endpoint:
+            endpoint = f"endpoint {self.endpoint}" + (f" (from {origin['endpoint']})" if "endpoint" in origin else "")
+        else:
+            endpoint = (
+                f"no endpoint set, so AWS's https://s3.{self.region}.amazonaws.com (for another service give the "
+                "URI's endpoint= option or AWS_ENDPOINT_URL)"
+            )
+        if self.access_key_id is not None:
+            where = origin.get("credentials", "options given in code")
+            credentials = f"static credentials from {where}" + (" with a session token" if self.session_token else "")
+        else:
+            credentials = (
+                "no credentials (no access_key_id/secret_access_key option, AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY not both set), so only instance or container credentials could apply"
+            )
+        if "aws_env" in origin:
+            names = origin["aws_env"]
+        else:
+            names = ",".join(sorted(k for k, v in os.environ.items() if k.startswith("AWS_") and v))
+        found = ", ".join(names.split(",")) if names else "none"
+        return f"{endpoint}; bucket {self.bucket!r}, region {self.region}; {credentials}; AWS_* variables set: {found}"
 
     @property
     def http_allowed(self) -> bool:
@@ -163,18 +196,31 @@ class S3Options:
                     values[name] = text
             except ValueError:
                 raise ConfigError(f"S3 URI option {key}={text!r} is not a valid {kind}") from None
-        values.setdefault(
-            "endpoint",
-            environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or environ.get("AWS_ENDPOINT"),
-        )
+        origin = {"aws_env": ",".join(sorted(k for k, v in environ.items() if k.startswith("AWS_") and v))}
+        if "endpoint" in values:
+            origin["endpoint"] = "the URI's endpoint option"
+        else:
+            for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"):
+                if environ.get(name):
+                    values["endpoint"], origin["endpoint"] = environ[name], name
+                    break
+            else:
+                values["endpoint"] = None
         values.setdefault("region", environ.get("AWS_REGION") or environ.get("AWS_DEFAULT_REGION") or "us-east-1")
         if "access_key_id" not in values and "secret_access_key" not in values:
             values["access_key_id"] = environ.get("AWS_ACCESS_KEY_ID") or None
             values["secret_access_key"] = environ.get("AWS_SECRET_ACCESS_KEY") or None
             values.setdefault("session_token", environ.get("AWS_SESSION_TOKEN") or None)
+            origin["credentials"] = "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+        else:
+            origin["credentials"] = "the URI's access_key_id/secret_access_key options"
+        for name, what in (("endpoint", "endpoint"), ("access_key_id", "credentials")):
+            if name in overrides:
+                origin[what] = "options given in code"
         if values.get("endpoint") is not None:
             values["endpoint"] = str(values["endpoint"]).rstrip("/")
         values.update(overrides)
+        values.setdefault("origin", tuple(sorted(origin.items())))
         known = {f.name for f in fields(cls)}
         unknown = set(values) - known
         if unknown:

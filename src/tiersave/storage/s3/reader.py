@@ -47,6 +47,7 @@ class S3BlobReader:
         self.size = size
         self._store = store
         self._uri = options.uri
+        self._options = options
         self._step = options.read_part_bytes
         self._pool = pool
 
@@ -70,7 +71,7 @@ class S3BlobReader:
     def _fetch(self, offset: int, view: memoryview) -> None:
         if not view:
             return
-        with mapped_errors(self._uri, "reading", self.key):
+        with mapped_errors(self._uri, "reading", self.key, self._options):
             data = obstore.get_range(self._store, self.key, start=offset, length=len(view))
         got = memoryview(data)
         if len(got) != len(view):

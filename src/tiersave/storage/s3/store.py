@@ -110,7 +110,7 @@ class S3Storage:
     # -- errors -----------------------------------------------------------------------------------
 
     def _errors(self, action: str, key: str) -> contextlib.AbstractContextManager[None]:
-        return mapped_errors(self.uri, action, key)
+        return mapped_errors(self.uri, action, key, self.options)
 
     def _read_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -169,9 +169,10 @@ class S3Storage:
 
     # -- large objects ----------------------------------------------------------------------------
 
-    def open_writer(self, key: str) -> S3BlobWriter:
+    def open_writer(self, key: str, *, size_hint: int | None = None) -> S3BlobWriter:
         """Start a new object. The existence check is advisory (S3 cannot make a multipart upload
-        create-only here); tiersave writes shards under per-attempt prefixes, so keys never collide."""
+        create-only here); tiersave writes shards under per-attempt prefixes, so keys never collide.
+        ``size_hint`` is accepted for the protocol; parts are uploaded as they fill, so it is not needed."""
         check_key(key)
         if self.exists(key):
             raise AlreadyExistsError(f"{key!r} already exists on {self.uri}", tier=self.uri, key=key)

@@ -240,7 +240,7 @@ class S3BlobWriter:
                     self._error = (
                         exc
                         if isinstance(exc, TiersaveError)
-                        else map_s3_error(exc, tier=self._uri, key=self.key, action="uploading")
+                        else map_s3_error(exc, tier=self._uri, key=self.key, action="uploading", options=self._options)
                     )
                     self._state = "failed"
                 self._blocks.clear()
@@ -268,7 +268,7 @@ class S3BlobWriter:
                 small = memoryview(block.buf)[:size] if block is not None else memoryview(bytearray(size))
         if small is not None:
             try:
-                with mapped_errors(self._uri, "writing", self.key):
+                with mapped_errors(self._uri, "writing", self.key, self._options):
                     obstore.put(self._store, self.key, small, use_multipart=False)
             except BaseException:
                 with self._cond:
@@ -298,7 +298,10 @@ class S3BlobWriter:
             thread.join(self._options.timeout_s * 2 + self._options.retry_timeout_s)
         if previous in ("done", "aborted"):
             if previous == "done":
-                with contextlib.suppress(ObjectNotFoundError), mapped_errors(self._uri, "deleting", self.key):
+                with (
+                    contextlib.suppress(ObjectNotFoundError),
+                    mapped_errors(self._uri, "deleting", self.key, self._options),
+                ):
                     obstore.delete(self._store, self.key)
             return
         if thread is not None and previous in ("failed", "finishing", "open"):
