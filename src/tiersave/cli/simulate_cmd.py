@@ -431,7 +431,7 @@ def plot(result: Comparison, job: JobSpec, path: str, progress: Any = None) -> N
     for name in names:
         right.plot(sizes, [g * 100 for g in curves[name]], marker="o", label=name)
     right.set(xscale="log", xlabel="accelerators", ylabel="goodput (%)")
-    right.set_title("Goodput against cluster size (same failure rate per accelerator)")
+    right.set_title("Against cluster size (failure rate per accelerator kept)")
     right.legend()
     for axis in (left, right):
         axis.grid(True, alpha=0.3)

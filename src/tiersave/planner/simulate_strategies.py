@@ -312,5 +312,5 @@ def _tiered(
         tiers=tuple(tiers),
         reschedule_s=job.reschedule_s,
         description=f"memory every {format_duration(period)} ({job.formula.value} optimum for the staging cost), "
-        f"{replica}{tiers[-1].name} every {every} saves",
+        f"{replica}{tiers[-1].name} {'every save' if every == 1 else f'every {every} saves'}",
     )
