@@ -141,6 +141,22 @@ def test_from_a_checkpoint_root(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert [s["name"] for s in doc["strategies"]] == ["fixed", "young", "async", "tiered"]
 
 
+def test_from_the_manifests_of_a_root_without_an_event_log(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import tiersave
+
+    root = tmp_path / "root"
+    with tiersave.Checkpointer(root, event_log=False) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.ones(64, 1024)})
+    assert not (root / "tiersave-events.jsonl").exists()
+    argv = ["simulate", "--from", str(root), "--cluster-mttf", "6h", "--storage-bw", "1GB/s", "--days", "2"]
+    doc = run_json(capsys, *argv)
+    notes = "\n".join(doc["assumptions"])
+    assert "mean time blocked over 2 saves" in notes
+    assert doc["checkpoint_bytes"] >= 64 * 1024 * 4
+
+
 def test_replayed_failures(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     trace = tmp_path / "failures.txt"
     trace.write_text("# a record\n2h node\n5h crash\n\n9h30min node\n")

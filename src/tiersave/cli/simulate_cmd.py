@@ -79,7 +79,7 @@ def register(subparsers: Any) -> None:
         "--from",
         dest="from_root",
         metavar="ROOT",
-        help="a checkpoint root whose event log (ROOT/tiersave-events.jsonl) gives the measured save costs",
+        help="a checkpoint root whose measured saves (its event log, else its manifests) give the save costs",
     )
     sim.add_argument(
         "--stage-cost", metavar="DURATION", help="time an asynchronous save blocks training (default size / memory bw)"
@@ -158,14 +158,10 @@ def _tier_text(name: str, every: int, bandwidth: float | None) -> str:
 
 def _fill_from_root(args: argparse.Namespace, root: str) -> list[str]:
     """Set the stage cost, size and tier bandwidths the command line left unset from measured saves."""
-    from ..events import EVENTS_NAME, read_events
-
-    if not Path(root).is_dir():
-        raise ConfigError(f"--from {root!r}: no such checkpoint root")
-    events = read_events(Path(root) / EVENTS_NAME)
+    events, where = _measured_saves(root)
     saves = [e for e in events if e.get("outcome") == "committed" and _number(e.get("blocked_s")) is not None]
     if not saves:
-        raise ConfigError(f"--from {root!r}: no committed saves in {Path(root) / EVENTS_NAME}")
+        raise ConfigError(f"--from {root!r}: no committed saves with statistics in {where}")
     notes = []
     blocked = sum(float(e["blocked_s"]) for e in saves) / len(saves)
     if args.stage_cost is None:
@@ -190,6 +186,30 @@ def _fill_from_root(args: argparse.Namespace, root: str) -> list[str]:
         for name, v in rates.items():
             notes.append(f"tier {name}: {format_si_bytes(sum(v) / len(v), '/s')}, mean of {len(v)} measured writes")
     return notes
+
+
+def _measured_saves(root: str) -> tuple[list[dict[str, Any]], str]:
+    """The save records of a root: its event log when it has one, else the statistics in its manifests
+    (an object-store root, or one saved without an event log)."""
+    from ..events import EVENTS_NAME, read_events
+
+    local = "://" not in root or root.startswith("file://")
+    path = Path(root.removeprefix("file://"))
+    if local and not path.is_dir():
+        raise ConfigError(f"--from {root!r}: no such checkpoint root")
+    if local and (path / EVENTS_NAME).exists():
+        return read_events(path / EVENTS_NAME), str(path / EVENTS_NAME)
+    from ..catalog import Catalog
+    from ..storage import open_storage
+    from ..tiers import default_name
+
+    storage = open_storage(root, create=False)
+    catalog = Catalog(storage)
+    tier = default_name(root, storage)
+    records = [
+        {**catalog.manifest(step).stats, "outcome": "committed", "tier": tier, "step": step} for step in catalog.steps()
+    ]
+    return records, f"the manifests under {root}"
 
 
 def _number(value: object) -> float | None:
