@@ -299,3 +299,5 @@ def test_compare_rejects_bad_requests() -> None:
         compare([s], spec, days=1, runs=0)
     with pytest.raises(ConfigError, match="interval"):
         fixed(0.0, 1.0)
+    with pytest.raises(ConfigError, match="one kind per failure time"):
+        run_trace(s, [1.0, 2.0], [CRASH], 100.0)

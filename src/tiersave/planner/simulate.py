@@ -222,9 +222,11 @@ def run_trace(strategy: Strategy, times: Sequence[float], kinds: Sequence[int], 
     """Run ``strategy`` for ``horizon_s`` seconds of wall time through the failures ``times``/``kinds``.
 
     Raises:
-        ConfigError: a non-positive horizon.
+        ConfigError: a non-positive horizon, or not one kind per failure time.
     """
     horizon = require_positive("simulated time", horizon_s)
+    if len(times) != len(kinds):
+        raise ConfigError(f"give one kind per failure time: {len(times)} times, {len(kinds)} kinds")
     return _Run(strategy, horizon).run(times, kinds)
 
 
