@@ -63,6 +63,22 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("mode", nargs="?", type=PlanMode, metavar="{sweep,presets}", help="optional mode (see below)")
+    add_job_arguments(parser)
+    sweep = parser.add_argument_group("sweep")
+    sweep.add_argument("--range", default="8:131072", metavar="MIN:MAX", help="accelerator counts (default 8:131072)")
+    sweep.add_argument(
+        "--points", type=int, default=15, metavar="N", help="log-spaced points (default 15: powers of two)"
+    )
+    sweep.add_argument("--plot", metavar="FILE", help="write a PNG of MTTF and interval vs accelerators")
+    add_json_flag(parser)
+    parser.set_defaults(handler=_run)
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that describe a job: checkpoint size, layout, failure rate, interval and tiers.
+
+    ``tiersave simulate`` takes the same options, parsed by the same :class:`PlanInputs`.
+    """
     model = parser.add_argument_group("checkpoint size (give one of --model, --params, --size)")
     size_source = model.add_mutually_exclusive_group()
     size_source.add_argument("--model", metavar="PRESET", help="architecture preset, e.g. llama3-70b")
@@ -122,14 +138,6 @@ def register(subparsers: Any) -> None:
         help="a tier taking every N-th checkpoint at write bandwidth BW, e.g. durable,every=4,bw=10GB/s",
     )
     tiers.add_argument("--storage-bw", metavar="BW", help="one tier 'storage' taking every checkpoint at BW")
-    sweep = parser.add_argument_group("sweep")
-    sweep.add_argument("--range", default="8:131072", metavar="MIN:MAX", help="accelerator counts (default 8:131072)")
-    sweep.add_argument(
-        "--points", type=int, default=15, metavar="N", help="log-spaced points (default 15: powers of two)"
-    )
-    sweep.add_argument("--plot", metavar="FILE", help="write a PNG of MTTF and interval vs accelerators")
-    add_json_flag(parser)
-    parser.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
