@@ -254,8 +254,8 @@ def copy_checkpoint(
         with source.open(step) as ckpt:
             for index in range(len(manifest.shards)):
                 ckpt.reader(index)  # open and size-check every source shard before writing anything
-            for name in names:  # one by one: if an open fails, those already open are aborted below
-                writers.append(dst.open_writer(f"{prefix}/{name}"))  # noqa: PERF401
+            for name, shard in zip(names, manifest.shards):  # one by one: if an open fails, those open are aborted
+                writers.append(dst.open_writer(f"{prefix}/{name}", size_hint=shard.size))
 
             def transfer(chunk: _Chunk, view: memoryview) -> None:
                 ckpt.reader(chunk.shard).read_into(chunk.offset, view)

@@ -7,6 +7,7 @@ bit for bit with what the saving job gathered.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -74,6 +75,22 @@ def test_export_consolidates_the_4_rank_shards_into_whole_tensors(saved: tuple[P
     assert sorted(exported) == sorted(reference) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     for name, value in reference.items():
         assert torch.equal(exported[name], value), name
+
+
+def test_the_export_command_consolidates_a_dcp_checkpoint(saved: tuple[Path, Path], tmp_path: Path, capsys) -> None:
+    from safetensors.torch import load_file
+
+    from tiersave.cli import main
+
+    root, ref = saved
+    dest = tmp_path / "cli.safetensors"
+    assert main(["export", str(root), "--step", "1", "--prefix", "model.", "--to", str(dest), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["tensors"] == 4 and doc["step"] == 1
+    exported = load_file(dest)
+    reference = {k.removeprefix("model."): v for k, v in load_file(ref).items() if k.startswith("model.")}
+    assert sorted(exported) == sorted(reference)
+    assert all(torch.equal(exported[k], v) for k, v in reference.items())
 
 
 def test_save_killed_before_finish_leaves_nothing_visible(tmp_path: Path) -> None:

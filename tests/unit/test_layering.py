@@ -1,9 +1,10 @@
 """The package's layering, read from the source's imports (lazy ones inside functions included).
 
-The folders are the layers (DESIGN.md section 3); dependencies point down this list only:
+The folders are the layers (docs/architecture.md); dependencies point down this list only:
 
     apps          cli/, bench/, demo/, testing/, integrations/, the package face (__init__.py)
-    checkpoint    checkpointer, saving, collective, tiers, drain, catalog, commit, restore, export, handle, policy, dist/, dcp/
+    checkpoint    checkpointer, saving, collective, tiers, drain, catalog, commit, restore, export, handle, policy,
+                  dist/, dcp/
     planner       planner/ (no torch, no I/O): only the leaves below
     engine        engine/: moves tensor bytes between a state tree and the Storage protocol
     storage       storage/: backends, knowing nothing of checkpoints

@@ -38,6 +38,8 @@ def _export(args: argparse.Namespace, out: Output) -> int:
 
     catalog = Catalog(open_storage(args.root, create=False))
     step = catalog.find(args.step, args.tag)[0]
+    if _is_dcp(catalog, step):
+        return _export_dcp(args, out, step)
     result = export_safetensors(
         catalog,
         step,
@@ -61,4 +63,44 @@ def _export(args: argparse.Namespace, out: Output) -> int:
         },
         text,
     )
+    return EXIT_OK
+
+
+def _is_dcp(catalog: Any, step: int) -> bool:
+    """Whether ``step`` was saved through ``torch.distributed.checkpoint`` with ``tiersave.dcp.Writer``."""
+    with catalog.open(step) as ckpt:
+        tree = ckpt.manifest.tree
+    dcp = tree.get("dcp") if isinstance(tree, dict) else None
+    return isinstance(dcp, dict) and dcp.get("encoding") == "tiersave.dcp/1"
+
+
+def _export_dcp(args: argparse.Namespace, out: Output, step: int) -> int:
+    """A DCP checkpoint: its tensors are sharded chunks; consolidate each into one tensor (needs torch)."""
+    from ..dcp import export_safetensors as export_dcp
+
+    if args.tag is not None and args.step is None:
+        args.step = step
+    summary = export_dcp(
+        args.root,
+        args.dest,
+        step=step,
+        prefix=args.prefix,
+        skip_unsupported=args.skip_unsupported,
+        overwrite=args.force,
+    )
+    text = (
+        f"exported {summary.tensors} tensors ({human_bytes(summary.bytes)}) of DCP step {step}, consolidated "
+        f"from their shards, to {summary.path}"
+    )
+    if summary.pickled:
+        text += f"\nleft out {len(summary.pickled)} non-tensor value(s): {', '.join(summary.pickled[:5])}"
+    data = {
+        "path": summary.path,
+        "step": step,
+        "tensors": summary.tensors,
+        "bytes": summary.bytes,
+        "skipped": list(summary.skipped),
+        "left_out": list(summary.pickled),
+    }
+    out.emit(data, text)
     return EXIT_OK
