@@ -177,9 +177,23 @@ def main(
             f"RESULT: MISMATCH: {len(mismatches)} of {len(compared)} losses differ "
             f"(first at step {mismatches[0] if mismatches else '-'}); weights identical: {same_params}"
         )
-    write(f"inspect the checkpoints: tiersave ls {ckpt}")
+    write(f"inspect the checkpoints: {_cli_command()} ls {ckpt}")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _cli_command() -> str:
+    """How to run ``tiersave`` from here: its name when it is on PATH, else the path beside this Python
+    (``.venv/bin/tiersave`` after ./scripts/setup.sh, until the virtual environment is activated)."""
+    import shutil
+
+    beside = Path(sys.executable).with_name("tiersave")
+    on_path = shutil.which("tiersave")
+    if on_path is not None and Path(on_path).resolve() == beside.resolve():
+        return "tiersave"
+    if beside.exists():
+        return str(beside)
+    return f"{sys.executable} -m tiersave.cli"
