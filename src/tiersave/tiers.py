@@ -374,7 +374,8 @@ class TierChain:
             if tier.due(now):
                 self._send(tier, handle, now)
         handle._set_result(info)
-        self.retain(self.first, self.first.policy)
+        # retention, and the leftovers of dead writers of this host (a killed save's temporary files)
+        self.retain(self.first, self.first.policy, leftovers=True)
 
     def _send(self, tier: TierRuntime, handle: SaveHandle, now: float) -> None:
         """Queue the drain of ``handle``'s checkpoint to ``tier``. A tier still busy with an earlier drain
@@ -486,7 +487,7 @@ class TierChain:
         future.set_result(info)
         if tier.widened_every > 1:  # a widened tier whose drains got faster returns toward its cadence
             tier.widened_every = min(tier.widened_every, self._needed_every(tier.last_drain_s))
-        self.retain(tier, tier.policy)
+        self.retain(tier, tier.policy, leftovers=True)
         return True
 
     # -- retention --------------------------------------------------------------------------------

@@ -166,3 +166,53 @@ def test_prune_keeps_the_directory_of_a_live_save(root):
         assert ckpt.catalog.leftovers() == [(name, "dead")]
         ckpt.prune(keep_last=1)
         assert not (root / name).exists()
+
+
+@pytest.mark.parametrize("root_kind", ["local", "mem"])
+def test_the_next_save_removes_a_killed_saves_leftovers_but_never_a_live_ones(tmp_path, root_kind):
+    """A save killed mid-write leaves its temporary directory; the next successful save on that tier removes
+    it (its writer is dead on this host), while another writer's directory that is still live stays."""
+    if root_kind == "mem":
+        import uuid
+
+        from tiersave.storage.memory import MemoryStorage
+
+        storage = MemoryStorage(f"leftovers-{uuid.uuid4().hex[:8]}")
+        root = Path(storage.root)
+        target: object = storage
+    else:
+        root = tmp_path / "ckpt"
+        target = root
+    try:
+        acked, status = run_and_kill(root, 1, None, crashpoint="after_shard_write:2")
+        assert acked == [1] and os.WIFSIGNALED(status)
+        dead = [p.name for p in root.iterdir() if ".tmp-" in p.name]
+        assert len(dead) == 1
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # another writer, alive, in the middle of its save
+            os.close(r)
+            from tiersave.commit import tmp_token
+            from tiersave.format.layout import tmp_dirname
+
+            (root / tmp_dirname(50, tmp_token())).mkdir()
+            os.write(w, b"ready")
+            time.sleep(30)
+            os._exit(0)
+        os.close(w)
+        assert os.read(r, 5) == b"ready"
+        try:
+            with tiersave.Checkpointer(target) as ckpt:  # type: ignore[arg-type]
+                ckpt.save(2, state_for(2))
+                ckpt.wait()
+                left = sorted(p.name for p in root.iterdir() if ".tmp-" in p.name)
+            assert dead[0] not in left  # removed by the save's follow-up
+            assert len(left) == 1 and left[0].startswith("step-0000000050.tmp-")  # the live one stays
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    finally:
+        if root_kind == "mem":
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
