@@ -105,50 +105,71 @@ def restore_from(
     world_size = collective.world_size if collective is not None else 1
     rank = collective.rank if collective is not None else rank
     start = time.perf_counter()
-    candidates = _candidates(chain, step, tag, group)
     skipped: list[tuple[int, str]] = []
     last_error: TiersaveError | None = None
-    for candidate, holders in candidates:
-        for tier in holders:
-            error: TiersaveError | None = None
-            chain.protection.hold(tier.index, candidate)  # retention must not delete what we are reading
-            try:
-                with tier.catalog.open(candidate) as ckpt:
-                    ckpt.manifest = rank_view(ckpt.manifest, rank, world_size)
-                    result, nbytes, in_place = Restore(ckpt, into, strict).run(pool)
-            except (FormatError, CheckpointNotFoundError, StorageError) as exc:  # this copy is unusable
-                error = exc
-            except TiersaveError as exc:  # not a matter of this copy: every rank stops here
-                if group is None:
-                    raise
-                error = exc
-            finally:
-                chain.protection.release(tier.index, candidate)
-            if group is not None:
-                error = _agree_on_copy(group, candidate, error)
-            if error is not None:
-                last_error = error
-                skipped.append((candidate, f"on {tier.name}: {error}"))
-                fallback = "another tier" if tier is not holders[-1] else "an older checkpoint"
-                if step is not None and tier is holders[-1]:
-                    break
-                warnings.warn(
-                    f"skipping the copy of step {candidate} on tier {tier.name} ({tier.storage.uri}): {error}; "
-                    f"trying {fallback}",
-                    TiersaveWarning,
-                    stacklevel=3,
+    for _ in range(_MAX_RELISTS):
+        vanished = False
+        for candidate, holders in _candidates(chain, step, tag, group):
+            for tier in holders:
+                error: TiersaveError | None = None
+                chain.protection.hold(tier.index, candidate)  # our own retention must not delete what we read
+                try:
+                    with tier.catalog.open(candidate) as ckpt:
+                        ckpt.manifest = rank_view(ckpt.manifest, rank, world_size)
+                        result, nbytes, in_place = Restore(ckpt, into, strict).run(pool)
+                except (FormatError, CheckpointNotFoundError, StorageError) as exc:  # this copy is unusable
+                    error = exc
+                except TiersaveError as exc:  # not a matter of this copy: every rank stops here
+                    if group is None:
+                        raise
+                    error = exc
+                finally:
+                    chain.protection.release(tier.index, candidate)
+                if group is not None:
+                    error = _agree_on_copy(group, candidate, error)
+                elif error is not None and candidate not in tier.catalog.steps():
+                    # Deleted since we listed it (another process's retention): not damage. Try the next
+                    # copy; if none works, list again: the writer committed a newer one.
+                    if step is not None:
+                        raise CheckpointNotFoundError(
+                            f"step {step} was deleted from {tier.storage.uri} while it was being read"
+                        ) from error
+                    vanished = True
+                    continue
+                if error is not None:
+                    last_error = error
+                    skipped.append((candidate, f"on {tier.name}: {error}"))
+                    fallback = "another tier" if tier is not holders[-1] else "an older checkpoint"
+                    if step is not None and tier is holders[-1]:
+                        break
+                    warnings.warn(
+                        f"skipping the copy of step {candidate} on tier {tier.name} ({tier.storage.uri}): "
+                        f"{error}; trying {fallback}",
+                        TiersaveWarning,
+                        stacklevel=3,
+                    )
+                    continue
+                location = tier.catalog.location(candidate)
+                report = RestoreReport(
+                    candidate, location, nbytes, time.perf_counter() - start, in_place, skipped, tier.name
                 )
-                continue
-            location = tier.catalog.location(candidate)
-            report = RestoreReport(
-                candidate, location, nbytes, time.perf_counter() - start, in_place, skipped, tier.name
-            )
-            return result, report
+                return result, report
+        if not vanished:
+            break
     if step is not None and last_error is not None and len(skipped) == 1:
         raise last_error
+    if last_error is None:
+        raise CheckpointNotFoundError(
+            f"every checkpoint in {chain.where()} was deleted while being read, {_MAX_RELISTS} times in a row"
+        )
     raise CorruptCheckpointError(
         "no usable checkpoint: every candidate failed: " + "; ".join(f"step {s} {why}" for s, why in skipped)
     ) from last_error
+
+
+_MAX_RELISTS = 8
+"""How many times a restore lists the checkpoints again when the ones it listed were deleted while it read
+them (a writer in another process saving fast with a small ``keep_last``)."""
 
 
 def _candidates(

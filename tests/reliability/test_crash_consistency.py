@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,32 @@ def test_the_next_save_removes_a_killed_saves_leftovers_but_never_a_live_ones(tm
             import shutil
 
             shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_reader_whose_checkpoint_is_deleted_mid_read_gets_the_newer_one_not_an_error(root):
+    """Another process's retention deletes the checkpoint a reader is reading (a writer saving fast with
+    keep_last=1): the reader lists again and restores the newer checkpoint; that is not damage."""
+    from tiersave.storage.posix import LocalStorage
+    from tiersave.testing.faults import FaultyStorage
+
+    class SavesOnFirstShardOpen(FaultyStorage):
+        hook = None
+
+        def open_reader(self, key):
+            if self.hook is not None and "shard-" in key:
+                hook, self.hook = self.hook, None
+                hook()
+            return super().open_reader(key)
+
+    with tiersave.Checkpointer(root, keep_last=1) as writer:
+        writer.save(1, state_for(1))
+        storage = SavesOnFirstShardOpen(LocalStorage(root))
+        storage.hook = lambda: writer.save(2, state_for(2))  # its retention deletes step 1 mid-read
+        with tiersave.Checkpointer(storage) as reader, warnings.catch_warnings():
+            warnings.simplefilter("error")  # a deleted copy is not damage: no "skipping" warning either
+            restored = reader.restore()
+        assert reader.last_restore.step == 2
+        assert_same(restored, state_for(2))
+        storage.hook = lambda: writer.save(3, state_for(3))
+        with tiersave.Checkpointer(storage) as reader, pytest.raises(tiersave.CheckpointNotFoundError, match="deleted"):
+            reader.restore(2)  # an explicit step that was deleted is "not found", never "corrupt"
