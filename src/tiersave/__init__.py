@@ -36,6 +36,7 @@ _LAZY: dict[str, str] = {
     "Checkpointer": ".checkpointer",
     "RestoreReport": ".restore",
     "Tier": ".tiers",
+    "watch": ".watch",
     "SaveHandle": ".handle",
     "SaveStats": ".handle",
     "CheckpointInfo": ".catalog",
@@ -53,6 +54,7 @@ if _typing.TYPE_CHECKING:  # pragma: no cover
     from .restore import RestoreReport as RestoreReport
     from .rng import RNGState as RNGState
     from .tiers import Tier as Tier
+    from .watch import watch as watch
 
 __all__ = [
     "AlreadyExistsError",

@@ -52,6 +52,7 @@ def test_exported_names_are_stable():
             "UnsupportedStateError",
             "VerifyReport",
             "__version__",
+            "watch",
         ]
     )
 

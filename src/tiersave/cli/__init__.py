@@ -28,6 +28,7 @@ _COMMAND_MODULES = (
     "tiersave.cli.prune_cmd",
     "tiersave.cli.copy_cmd",
     "tiersave.cli.stats_cmd",
+    "tiersave.cli.watch_cmd",
     "tiersave.cli.plan_cmd",
     "tiersave.cli.simulate_cmd",
     "tiersave.cli.bench_cmd",
