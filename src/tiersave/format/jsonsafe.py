@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import chain, compress, repeat
 from typing import Any
 
 from ..errors import FormatError
@@ -12,11 +13,13 @@ MAX_DEPTH = 512
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
+    out = dict(pairs)  # in C; a manifest of 10^5 tensors has 2 * 10^5 objects
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}")
+            seen.add(key)
     return out
 
 
@@ -48,18 +51,21 @@ def loads_strict(data: bytes, *, what: str, max_bytes: int) -> Any:
 
 def check_depth(value: Any, *, what: str, limit: int = MAX_DEPTH) -> None:
     """Raise :class:`FormatError` if ``value`` nests lists/dicts deeper than ``limit``."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children: Any = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
+    # Level by level, with the per-value work in C (chain, map, compress): a manifest of 10^5 tensors has
+    # 10^6 scalars (shapes, offsets, checksums) that are never touched one by one in Python.
+    level = [value] if isinstance(value, _CONTAINERS) else []
+    depth = 1
+    while level:
         if depth > limit:
             raise FormatError(f"{what} is nested deeper than {limit} levels", path=what)
-        stack.extend((child, depth + 1) for child in children)
+        dicts = [node for node in level if isinstance(node, dict)]
+        lists = [node for node in level if not isinstance(node, dict)]
+        children = list(chain(chain.from_iterable(map(dict.values, dicts)), chain.from_iterable(lists)))
+        level = list(compress(children, map(isinstance, children, repeat(_CONTAINERS))))
+        depth += 1
+
+
+_CONTAINERS = (dict, list)
 
 
 def dumps_canonical(value: Any) -> bytes:
