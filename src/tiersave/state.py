@@ -24,6 +24,7 @@ import torch
 from .errors import StateMismatchError, UnsupportedStateError
 from .format import tree as T
 from .format.dtypes import NUMPY_TO_NAME, lookup
+from .format.jsonsafe import paused_gc
 
 # ---------------------------------------------------------------------------------------------------
 # dtypes
@@ -289,7 +290,8 @@ class _Flattener:
 def flatten(state: Any) -> FlatState:
     """Encode ``state`` as a JSON tree plus the list of unique tensors it references."""
     f = _Flattener()
-    tree = f.encode(state, "")
+    with paused_gc():
+        tree = f.encode(state, "")
     return FlatState(tree, f.tensors)
 
 

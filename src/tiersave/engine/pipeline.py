@@ -35,6 +35,7 @@ import torch
 
 from .._crash import crashpoint
 from ..format.checksum import crc32c_update
+from ..format.jsonsafe import paused_gc
 from ..format.layout import ALIGN, align_up
 from ..format.manifest import ShardInfo, TensorEntry
 from ..storage.base import BlobWriter, Storage
@@ -155,6 +156,18 @@ def plan_save(
     ``group_bytes``; larger tensors get one unit per checksum chunk."""
     if chunk_bytes % ALIGN:
         raise ValueError(f"chunk_bytes {chunk_bytes} is not a multiple of {ALIGN}")
+    with paused_gc():
+        return _plan(tensors, chunk_bytes, shard_file, max_shard_bytes, small_bytes, group_bytes)
+
+
+def _plan(
+    tensors: Sequence[TensorSpec],
+    chunk_bytes: int,
+    shard_file: Callable[[int], str],
+    max_shard_bytes: int | None,
+    small_bytes: int,
+    group_bytes: int,
+) -> SavePlan:
     names = [t.name for t in tensors]
     nbytes = [t.nbytes for t in tensors]
     shards = plan_layout(nbytes, shard_file, max_shard_bytes=max_shard_bytes)
@@ -452,15 +465,19 @@ class StagedWrite:
         crashpoint("after_shard_fsync")
         self.write_s = time.perf_counter() - start
         plan = self.plan
-        entry = TensorEntry
-        tensors = {
+        with paused_gc():
+            tensors = self._entries()
+        shards = tuple(ShardInfo(shard_file(s.file), rank, s.size) for s in plan.shards)
+        return Written(shards, tensors, plan.chunk_bytes)
+
+    def _entries(self) -> dict[str, TensorEntry]:
+        plan, entry = self.plan, TensorEntry
+        return {
             name: entry(name, dtype, shape, shard, offset, n, tuple(crcs) if n else ())
             for name, dtype, shape, shard, offset, n, crcs in zip(
                 plan.names, plan.dtypes, plan.shapes, plan.shard_of, plan.offsets, plan.nbytes, self.crcs
             )
         }
-        shards = tuple(ShardInfo(shard_file(s.file), rank, s.size) for s in plan.shards)
-        return Written(shards, tensors, plan.chunk_bytes)
 
     def abort(self) -> None:
         """Discard everything written (waits for in-flight writes first)."""

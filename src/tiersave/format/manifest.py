@@ -27,7 +27,7 @@ from . import FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_STR
 from .checksum import ALGORITHM, chunk_count
 from .dtypes import DTYPES as _DTYPES
 from .dtypes import lookup
-from .jsonsafe import dumps_canonical, is_finite_number, loads_strict
+from .jsonsafe import dumps_canonical, is_finite_number, loads_strict, paused_gc
 from .layout import ALIGN, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, MAX_STEP, is_safe_file, is_valid_tag
 from .tree import validate_tree
 
@@ -123,6 +123,10 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """Serialize; the result parses back to an equal manifest."""
+        with paused_gc():
+            return self._to_json()
+
+    def _to_json(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
@@ -170,6 +174,11 @@ class Manifest:
             UnsupportedFormatVersionError: a major version this reader does not know.
             CorruptCheckpointError: the manifest contradicts where it was found (``expect_step``).
         """
+        with paused_gc():
+            return cls._parse(data, path=path, expect_step=expect_step)
+
+    @classmethod
+    def _parse(cls, data: bytes, *, path: str, expect_step: int | None) -> Manifest:
         doc = loads_strict(data, what=path, max_bytes=MAX_MANIFEST_BYTES)
         verified = _check_seal(doc, path)
         try:
