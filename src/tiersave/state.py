@@ -164,12 +164,13 @@ class _Flattener:
             )
         dtype = _DTYPE_NAMES.get(t.dtype) or torch_dtype_name(t.dtype)
         shape = tuple(t.shape)
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         key = (
             "t",
             t.device,
-            t.untyped_storage().data_ptr() if nbytes else 0,
-            t.storage_offset(),
+            # the memory the view starts at (with its shape, strides and dtype: the same view); empty
+            # tensors have no memory, only an offset
+            t.data_ptr() if nbytes else -1 - t.storage_offset(),
             shape,
             t.stride(),
             dtype,
@@ -262,7 +263,12 @@ class _Flattener:
         if isinstance(obj, dict):
             metadata = getattr(obj, "_metadata", None)
             if all(type(k) is str for k in obj):
-                encoded: Any = {T.escape_key(k): self.encode(v, _path_join(path, k)) for k, v in obj.items()}
+                encoded: Any = {}
+                tensor, tag = self.tensor, T.T_TENSOR
+                for k, v in obj.items():  # a state dict's tensors inline: 10^5 of them in an MoE model
+                    sub = f"{path}.{k}" if path else k
+                    key = T.escape_key(k) if k.startswith("$") else k
+                    encoded[key] = {tag: tensor(v, sub)} if type(v) in _PLAIN_TENSORS else self.encode(v, sub)
             else:
                 pairs = []
                 for k, v in obj.items():

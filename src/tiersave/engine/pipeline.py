@@ -240,9 +240,12 @@ class StagedWrite:
         self.arena_tensor = arena.reserve(plan.total_bytes, pinned=self.pinned, min_bytes=min_bytes)
         self.ring = Ring(int(self.arena_tensor.numel()))
         self._view = self.arena_tensor.numpy().data.cast("B")
-        # One checksum per chunk; a tensor of at most one chunk (every member of a group) has one slot.
+        # One checksum per chunk: ``crc1[i]`` for a tensor of one chunk (every member of a group), a list in
+        # ``crcs`` for a tensor of several. One flat list, not a list per tensor: 10^5 small allocations on the
+        # caller's thread cost more than the copy of their bytes.
         chunk = plan.chunk_bytes
-        self.crcs: list[list[str]] = [[""] if 0 < n <= chunk else [""] * -(-n // chunk) for n in plan.nbytes]
+        self.crc1: list[str] = [""] * len(plan.nbytes)
+        self.crcs: dict[int, list[str]] = {i: [""] * -(-n // chunk) for i, n in enumerate(plan.nbytes) if n > chunk}
         self.futures: list[Future[None]] = []
         self.stage_s = 0.0
         self.write_s = 0.0
@@ -271,10 +274,14 @@ class StagedWrite:
                 states streaming through a smaller budget always overlap.
         """
         start = time.perf_counter()
+        with paused_gc():  # a tuple per small tensor's copy: see paused_gc
+            self._stage(overlap)
+        self.stage_s = time.perf_counter() - start
+
+    def _stage(self, overlap: bool) -> None:
         fits = self.plan.total_bytes <= self.ring.capacity
         if not overlap and not self.pinned and self.copier is not None and fits:
             self._stage_bulk()
-            self.stage_s = time.perf_counter() - start
             return
         if self.pinned:
             self._cuda_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -300,7 +307,6 @@ class StagedWrite:
         if self._last_event is not None:
             # Later kernels on the caller's stream must not change tensors before the copies read them.
             torch.cuda.current_stream().wait_event(self._last_event)
-        self.stage_s = time.perf_counter() - start
 
     def _copy(self, pos: int, src: torch.Tensor, first: int, take: int) -> bool:
         """Copy ``src[first : first + take]`` to arena position ``pos``; True when it was a device copy."""
@@ -412,7 +418,10 @@ class StagedWrite:
                     if take:
                         crc = crc32c_update(crc, self._view[pos : pos + take])
                     seen += n
-                self.crcs[u.tensor][u.chunk] = f"{crc:08x}"
+                if u.tensor in self.crcs:
+                    self.crcs[u.tensor][u.chunk] = f"{crc:08x}"
+                else:
+                    self.crc1[u.tensor] = f"{crc:08x}"
             offset = u.file_offset
             writer = self.writers[u.shard]
             for pos, n in segments:
@@ -424,14 +433,14 @@ class StagedWrite:
         self.ring.release(u.global_offset, u.global_offset + u.padded)
 
     def _checksum_group(self, u: Unit, segments: list[tuple[int, int]]) -> None:
-        nbytes, offsets, crcs, view = self.plan.nbytes, self.plan.offsets, self.crcs, self._view
+        nbytes, offsets, crcs, view = self.plan.nbytes, self.plan.offsets, self.crc1, self._view
         if len(segments) == 1:
             delta = segments[0][0] - u.file_offset
             for i in range(u.tensor, u.end):
                 n = nbytes[i]
                 if n:
                     p = offsets[i] + delta
-                    crcs[i][0] = f"{crc32c_update(0, view[p : p + n]):08x}"
+                    crcs[i] = f"{crc32c_update(0, view[p : p + n]):08x}"
             return
         delta = u.global_offset - u.file_offset
         for i in range(u.tensor, u.end):
@@ -440,7 +449,7 @@ class StagedWrite:
                 crc = 0
                 for pos, take in self.ring.segments(offsets[i] + delta, n):
                     crc = crc32c_update(crc, view[pos : pos + take])
-                crcs[i][0] = f"{crc:08x}"
+                crcs[i] = f"{crc:08x}"
 
     # -- background thread ----------------------------------------------------------------------
 
@@ -471,11 +480,13 @@ class StagedWrite:
         return Written(shards, tensors, plan.chunk_bytes)
 
     def _entries(self) -> dict[str, TensorEntry]:
-        plan, entry = self.plan, TensorEntry
+        plan, entry, many = self.plan, TensorEntry, self.crcs
         return {
-            name: entry(name, dtype, shape, shard, offset, n, tuple(crcs) if n else ())
-            for name, dtype, shape, shard, offset, n, crcs in zip(
-                plan.names, plan.dtypes, plan.shapes, plan.shard_of, plan.offsets, plan.nbytes, self.crcs
+            name: entry(
+                name, dtype, shape, shard, offset, n, ((crc,) if i not in many else tuple(many[i])) if n else ()
+            )
+            for i, (name, dtype, shape, shard, offset, n, crc) in enumerate(
+                zip(plan.names, plan.dtypes, plan.shapes, plan.shard_of, plan.offsets, plan.nbytes, self.crc1)
             )
         }
 
