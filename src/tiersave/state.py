@@ -91,7 +91,7 @@ def ndarray_byte_view(a: np.ndarray) -> memoryview:
 # save: state -> tree + tensor table
 
 
-@dataclass
+@dataclass(slots=True)
 class FlatTensor:
     """One unique tensor of a flattened state (tensors sharing memory appear once)."""
 
