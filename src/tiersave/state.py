@@ -14,7 +14,6 @@ Anything else raises :class:`UnsupportedStateError` naming its path. Nothing is 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,16 +24,25 @@ import torch
 from .errors import StateMismatchError, UnsupportedStateError
 from .format import tree as T
 from .format.dtypes import NUMPY_TO_NAME, lookup
+from .format.jsonsafe import paused_gc
 
 # ---------------------------------------------------------------------------------------------------
 # dtypes
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is not None:
+        return name
     name = str(dtype).removeprefix("torch.")
     if lookup(name) is None:
         raise UnsupportedStateError(f"tensor dtype {dtype} cannot be stored (quantized dtypes are not supported)")
+    _DTYPE_NAMES[dtype] = name
     return name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -83,7 +91,7 @@ def ndarray_byte_view(a: np.ndarray) -> memoryview:
 # save: state -> tree + tensor table
 
 
-@dataclass
+@dataclass(slots=True)
 class FlatTensor:
     """One unique tensor of a flattened state (tensors sharing memory appear once)."""
 
@@ -137,6 +145,7 @@ class _Flattener:
         return flat.name
 
     def tensor(self, t: torch.Tensor, path: str) -> str:
+        # A mixture-of-experts state has 10^5 tensors: every attribute read here is paid per tensor.
         if t.layout != torch.strided:
             raise UnsupportedStateError(
                 f"{path or 'state'}: {t.layout} tensors are not supported; convert with .to_dense()",
@@ -147,28 +156,34 @@ class _Flattener:
                 f"{path or 'state'}: quantized tensors are not supported; save int_repr(), scale and zero point",
                 path=path,
             )
-        if t.device.type == "meta":
+        if t.is_meta:
             raise UnsupportedStateError(f"{path or 'state'}: a meta tensor has no data to save", path=path)
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        if type(t) not in _PLAIN_TENSORS:
             raise UnsupportedStateError(
                 f"{path or 'state'}: tensor subclass {type(t).__name__} is not supported", path=path
             )
-        dtype = torch_dtype_name(t.dtype)
-        shape = tuple(int(s) for s in t.shape)
-        nbytes = math.prod(shape) * t.element_size()
+        dtype = _DTYPE_NAMES.get(t.dtype) or torch_dtype_name(t.dtype)
+        shape = tuple(t.shape)
+        nbytes = t.nbytes
         key = (
             "t",
-            t.device.type,
-            t.device.index,
-            t.untyped_storage().data_ptr() if nbytes else 0,
-            t.storage_offset(),
+            t.device,
+            # the memory the view starts at (with its shape, strides and dtype: the same view); empty
+            # tensors have no memory, only an offset
+            t.data_ptr() if nbytes else -1 - t.storage_offset(),
             shape,
-            tuple(t.stride()),
+            t.stride(),
             dtype,
             t.is_conj(),
             t.is_neg(),
         )
-        return self._add(key, path, lambda name: FlatTensor(name, dtype, shape, nbytes, t))
+        existing = self._by_identity.get(key)
+        if existing is not None:
+            return existing
+        flat = FlatTensor(self._unique_name(path), dtype, shape, nbytes, t)
+        self.tensors.append(flat)
+        self._by_identity[key] = flat.name
+        return flat.name
 
     def ndarray(self, a: np.ndarray, path: str) -> str:
         name_of = NUMPY_TO_NAME.get(a.dtype.name)
@@ -183,6 +198,8 @@ class _Flattener:
         return self._add(key, path, lambda name: FlatTensor(name, name_of, shape, a.nbytes, a))
 
     def encode(self, obj: Any, path: str) -> Any:
+        if type(obj) in _PLAIN_TENSORS:  # the common leaf first
+            return {T.T_TENSOR: self.tensor(obj, path)}
         if obj is None or (isinstance(obj, (bool, str)) and type(obj) in (bool, str)):
             return obj
         if isinstance(obj, np.generic):
@@ -246,7 +263,12 @@ class _Flattener:
         if isinstance(obj, dict):
             metadata = getattr(obj, "_metadata", None)
             if all(type(k) is str for k in obj):
-                encoded: Any = {T.escape_key(k): self.encode(v, _path_join(path, k)) for k, v in obj.items()}
+                encoded: Any = {}
+                tensor, tag = self.tensor, T.T_TENSOR
+                for k, v in obj.items():  # a state dict's tensors inline: 10^5 of them in an MoE model
+                    sub = f"{path}.{k}" if path else k
+                    key = T.escape_key(k) if k.startswith("$") else k
+                    encoded[key] = {tag: tensor(v, sub)} if type(v) in _PLAIN_TENSORS else self.encode(v, sub)
             else:
                 pairs = []
                 for k, v in obj.items():
@@ -274,7 +296,8 @@ class _Flattener:
 def flatten(state: Any) -> FlatState:
     """Encode ``state`` as a JSON tree plus the list of unique tensors it references."""
     f = _Flattener()
-    tree = f.encode(state, "")
+    with paused_gc():
+        tree = f.encode(state, "")
     return FlatState(tree, f.tensors)
 
 

@@ -5,6 +5,12 @@ A save's tensors are cut into *units*, one per checksum chunk (at most ``chunk_b
 tile every shard exactly: each unit is one aligned write, straight from the page-aligned arena (so the
 direct-I/O path applies), and the zero padding the format requires is written with it.
 
+Small tensors (at most :data:`SMALL_TENSOR_BYTES` and one chunk) are not units of their own: a run of them
+in one shard forms a *group* unit spanning at most :data:`GROUP_BYTES`, staged with one copy per tensor and
+written, checksummed (one CRC-32C per tensor, as the format wants) and released as one job with one future.
+A state of 10^5 expert tensors then costs a copy and a few attribute reads per tensor instead of a job, a
+future, a lock and a write each; the bytes on disk are the same.
+
 Call order (the Checkpointer's):
 
 1. ``StagedWrite(...)`` opens one writer per shard (create-only).
@@ -35,18 +41,21 @@ import torch
 
 from .._crash import crashpoint
 from ..format.checksum import crc32c_update
+from ..format.jsonsafe import paused_gc
 from ..format.layout import ALIGN, align_up
 from ..format.manifest import ShardInfo, TensorEntry
 from ..storage.base import BlobWriter, Storage
-from .stage import HostCopier, Ring, StagingArena, needs_pinned, source_bytes
+from .stage import HostCopier, Ring, StagingArena, host_addresses, source_bytes
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class Unit:
-    """One checksum chunk of one tensor: the bytes ``[src_start, src_start + length)`` of the tensor,
-    written at ``file_offset`` of its shard as ``padded`` bytes (zero padding after the data)."""
+    """One write of a save: either one checksum chunk of one tensor (the bytes ``[src_start, src_start +
+    length)`` of tensor ``tensor``), or a *group* of consecutive small tensors ``tensor .. end - 1`` (each one
+    chunk, laid out back to back at their aligned offsets). Either way it is written at ``file_offset`` of its
+    shard as ``padded`` bytes, zero padding included."""
 
     tensor: int
     chunk: int
@@ -56,32 +65,51 @@ class Unit:
     src_start: int
     length: int
     padded: int
+    end: int = -1  # a group's one-past-last tensor; -1 for a chunk of one tensor
+
+    @property
+    def is_group(self) -> bool:
+        return self.end >= 0
+
+
+SMALL_TENSOR_BYTES = 1 << 20
+"""Tensors up to this size (and one checksum chunk) are staged, checksummed and written in groups: their cost
+per tensor is then a few attribute reads and one copy, not a job, a future and a write each."""
+
+GROUP_BYTES = 8 << 20
+"""The most bytes (padding included) one group of small tensors spans: one write, one job."""
 
 
 @dataclass
 class ShardLayout:
-    """One shard file of a save: its name, its size (a multiple of 4096) and the tensors in it."""
+    """One shard file of a save: its name, its size (a multiple of 4096) and the tensors in it (indices
+    ``first .. end - 1``: the layout places tensors in order)."""
 
     file: str
     size: int
-    tensors: list[tuple[int, int]] = field(default_factory=list)  # (tensor index, offset)
+    first: int = 0
+    end: int = 0
 
 
 def plan_layout(
     nbytes: Sequence[int], files: Callable[[int], str], *, max_shard_bytes: int | None = None
-) -> list[ShardLayout]:
+) -> tuple[list[ShardLayout], list[int]]:
     """Place tensors in order at 4 KiB-aligned offsets (docs/format.md section 3), starting a new shard
-    past ``max_shard_bytes``."""
+    past ``max_shard_bytes``. Returns the shards and each tensor's offset in its shard."""
     shards: list[ShardLayout] = []
+    offsets = [0] * len(nbytes)
     cursor = 0
     for index, size in enumerate(nbytes):
         if not shards or (max_shard_bytes is not None and cursor > 0 and cursor + size > max_shard_bytes):
-            shards.append(ShardLayout(files(len(shards)), 0))
+            if shards:
+                shards[-1].size, shards[-1].end = cursor, index
+            shards.append(ShardLayout(files(len(shards)), 0, index, index))
             cursor = 0
-        shards[-1].tensors.append((index, cursor))
-        cursor = align_up(cursor + size, ALIGN)
-        shards[-1].size = cursor
-    return shards
+        offsets[index] = cursor
+        cursor = -(-(cursor + size) // ALIGN) * ALIGN
+    if shards:
+        shards[-1].size, shards[-1].end = cursor, len(nbytes)
+    return shards, offsets
 
 
 class TensorSpec(Protocol):
@@ -99,14 +127,16 @@ class TensorSpec(Protocol):
 
 @dataclass
 class SavePlan:
-    """Where every tensor of a save goes. ``names[i]`` is tensor ``i``; units are in global order."""
+    """Where every tensor of a save goes. ``names[i]`` is tensor ``i``, at ``offsets[i]`` of shard
+    ``shard_of[i]``; units are in global order."""
 
     names: list[str]
     nbytes: list[int]
     shards: list[ShardLayout]
     units: list[Unit]
     chunk_bytes: int
-    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (shard, offset)
+    offsets: list[int] = field(default_factory=list)
+    shard_of: list[int] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
 
@@ -130,25 +160,70 @@ def plan_save(
     chunk_bytes: int,
     shard_file: Callable[[int], str],
     max_shard_bytes: int | None = None,
+    small_bytes: int = SMALL_TENSOR_BYTES,
+    group_bytes: int = GROUP_BYTES,
 ) -> SavePlan:
-    """Lay out tensors (docs/format.md offsets) and cut them into units."""
+    """Lay out tensors (docs/format.md offsets) and cut them into units: runs of consecutive small tensors
+    (at most ``small_bytes`` each, one checksum chunk) in one shard become one group unit spanning at most
+    ``group_bytes``; larger tensors get one unit per checksum chunk."""
     if chunk_bytes % ALIGN:
         raise ValueError(f"chunk_bytes {chunk_bytes} is not a multiple of {ALIGN}")
+    with paused_gc():
+        return _plan(tensors, chunk_bytes, shard_file, max_shard_bytes, small_bytes, group_bytes)
+
+
+def _plan(
+    tensors: Sequence[TensorSpec],
+    chunk_bytes: int,
+    shard_file: Callable[[int], str],
+    max_shard_bytes: int | None,
+    small_bytes: int,
+    group_bytes: int,
+) -> SavePlan:
     names = [t.name for t in tensors]
     nbytes = [t.nbytes for t in tensors]
-    shards = plan_layout(nbytes, shard_file, max_shard_bytes=max_shard_bytes)
-    plan = SavePlan(names, nbytes, shards, [], chunk_bytes, {}, [t.dtype for t in tensors], [t.shape for t in tensors])
+    shards, offsets = plan_layout(nbytes, shard_file, max_shard_bytes=max_shard_bytes)
+    plan = SavePlan(
+        names, nbytes, shards, [], chunk_bytes, offsets, [0] * len(names), [t.dtype for t in tensors],
+        [t.shape for t in tensors],
+    )  # fmt: skip
+    small = min(small_bytes, chunk_bytes)
+    span_limit = max(ALIGN, min(group_bytes, chunk_bytes))
+    units = plan.units
+    shard_of = plan.shard_of
     base = 0
     for s, shard in enumerate(shards):
-        for index, offset in shard.tensors:
+        first = -1  # the open group: its first tensor, start offset and end of its last tensor's data
+        g_start = g_end = 0
+        shard_of[shard.first : shard.end] = [s] * (shard.end - shard.first)
+        for index in range(shard.first, shard.end):
             size = nbytes[index]
-            plan.offsets[names[index]] = (s, offset)
+            offset = offsets[index]
+            if size <= small:
+                if first >= 0 and align_up(offset + size) - g_start <= span_limit:
+                    g_end = offset + size
+                    continue
+                if first >= 0:
+                    _group(units, first, index, s, g_start, g_end, base)
+                first, g_start, g_end = index, offset, offset + size
+                continue
+            if first >= 0:
+                _group(units, first, index, s, g_start, g_end, base)
+                first = -1
             for c, start in enumerate(range(0, size, chunk_bytes)):
                 length = min(chunk_bytes, size - start)
                 off = offset + start
-                plan.units.append(Unit(index, c, s, off, base + off, start, length, align_up(length)))
+                units.append(Unit(index, c, s, off, base + off, start, length, align_up(length)))
+        if first >= 0:
+            _group(units, first, shard.end, s, g_start, g_end, base)
         base += shard.size
     return plan
+
+
+def _group(units: list[Unit], first: int, end: int, shard: int, start: int, data_end: int, base: int) -> None:
+    length = data_end - start
+    if length:  # a run of empty tensors has nothing to write
+        units.append(Unit(first, 0, shard, start, base + start, 0, length, align_up(length), end))
 
 
 class StagedWrite:
@@ -170,13 +245,18 @@ class StagedWrite:
         self.sources = list(sources)
         self.executor = executor
         self.copier = copier
-        self.pinned = needs_pinned(self.sources)
+        self._addresses, self.pinned = host_addresses(self.sources)
         # The ring must hold two units to overlap staging with writing, unless the whole save fits.
         min_bytes = min(2 * plan.chunk_bytes, plan.total_bytes)
         self.arena_tensor = arena.reserve(plan.total_bytes, pinned=self.pinned, min_bytes=min_bytes)
         self.ring = Ring(int(self.arena_tensor.numel()))
         self._view = self.arena_tensor.numpy().data.cast("B")
-        self.crcs: list[list[str]] = [[""] * -(-n // plan.chunk_bytes) for n in plan.nbytes]
+        # One checksum per chunk: ``crc1[i]`` for a tensor of one chunk (every member of a group), a list in
+        # ``crcs`` for a tensor of several. One flat list, not a list per tensor: 10^5 small allocations on the
+        # caller's thread cost more than the copy of their bytes.
+        chunk = plan.chunk_bytes
+        self.crc1: list[str] = [""] * len(plan.nbytes)
+        self.crcs: dict[int, list[str]] = {i: [""] * -(-n // chunk) for i, n in enumerate(plan.nbytes) if n > chunk}
         self.futures: list[Future[None]] = []
         self.stage_s = 0.0
         self.write_s = 0.0
@@ -206,73 +286,129 @@ class StagedWrite:
                 states streaming through a smaller budget always overlap.
         """
         start = time.perf_counter()
-        units_by_tensor: dict[int, list[Unit]] = {}
-        for u in self.plan.units:
-            units_by_tensor.setdefault(u.tensor, []).append(u)
+        with paused_gc():  # a tuple per small tensor's copy: see paused_gc
+            self._stage(overlap)
+        self.stage_s = time.perf_counter() - start
+
+    def _stage(self, overlap: bool) -> None:
         fits = self.plan.total_bytes <= self.ring.capacity
         if not overlap and not self.pinned and self.copier is not None and fits:
-            self._stage_bulk(units_by_tensor)
-            self.stage_s = time.perf_counter() - start
+            self._stage_bulk()
             return
-        arena = self.arena_tensor
         if self.pinned:
             self._cuda_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             self._cuda_stream.wait_stream(torch.cuda.current_stream())
-        arena_ptr = arena.data_ptr()
-        for t_index, units in units_by_tensor.items():
-            src = source_bytes(self.sources[t_index])
-            on_cuda = src.device.type == "cuda"
-            src_ptr = src.data_ptr()
-            for u in units:
-                self.ring.wait_free(u.global_offset + u.padded)
-                segments = self.ring.segments(u.global_offset, u.padded)
-                copied = 0
-                for pos, n in segments:
-                    take = max(0, min(n, u.length - copied))
-                    if take:
-                        first = u.src_start + copied
-                        if on_cuda:
-                            with torch.cuda.stream(self._cuda_stream):
-                                arena[pos : pos + take].copy_(src[first : first + take], non_blocking=True)
-                        elif self.copier is not None:
-                            self.copier.copy(arena_ptr + pos, src_ptr + first, take)
-                        else:
-                            arena[pos : pos + take].copy_(src[first : first + take])
-                    if take < n:
-                        ctypes.memset(arena_ptr + pos + take, 0, n - take)  # the format's zero padding
-                    copied += take
-                event = None
-                if on_cuda:
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    event.record(self._cuda_stream)
-                    self._last_event = event
-                self.futures.append(self.executor.submit(self._write_unit, u, segments, event))
+        src: torch.Tensor | None = None
+        src_index = -1
+        for u in self.plan.units:
+            self.ring.wait_free(u.global_offset + u.padded)
+            segments = self.ring.segments(u.global_offset, u.padded)
+            if u.is_group:
+                on_cuda = self._stage_group(u, segments)
+            else:
+                if u.tensor != src_index:  # chunks of one tensor are consecutive units
+                    src, src_index = source_bytes(self.sources[u.tensor]), u.tensor
+                assert src is not None
+                on_cuda = self._stage_chunk(u, segments, src)
+            event = None
+            if on_cuda:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(self._cuda_stream)
+                self._last_event = event
+            self.futures.append(self.executor.submit(self._write_unit, u, segments, event))
         if self._last_event is not None:
             # Later kernels on the caller's stream must not change tensors before the copies read them.
             torch.cuda.current_stream().wait_event(self._last_event)
-        self.stage_s = time.perf_counter() - start
 
-    def _stage_bulk(self, units_by_tensor: dict[int, list[Unit]]) -> None:
+    def _copy(self, pos: int, src: torch.Tensor, first: int, take: int) -> bool:
+        """Copy ``src[first : first + take]`` to arena position ``pos``; True when it was a device copy."""
+        arena = self.arena_tensor
+        if src.device.type == "cuda":
+            with torch.cuda.stream(self._cuda_stream):
+                arena[pos : pos + take].copy_(src[first : first + take], non_blocking=True)
+            return True
+        if self.copier is not None:
+            self.copier.copy(arena.data_ptr() + pos, src.data_ptr() + first, take)
+        else:
+            arena[pos : pos + take].copy_(src[first : first + take])
+        return False
+
+    def _stage_chunk(self, u: Unit, segments: list[tuple[int, int]], src: torch.Tensor) -> bool:
+        arena_ptr = self.arena_tensor.data_ptr()
+        copied = 0
+        on_cuda = False
+        for pos, n in segments:
+            take = max(0, min(n, u.length - copied))
+            if take:
+                on_cuda = self._copy(pos, src, u.src_start + copied, take) or on_cuda
+            if take < n:
+                ctypes.memset(arena_ptr + pos + take, 0, n - take)  # the format's zero padding
+            copied += take
+        return on_cuda
+
+    def _stage_group(self, u: Unit, segments: list[tuple[int, int]]) -> bool:
+        """Stage a group of small tensors: zero its span (the padding between them), copy each member."""
+        arena_ptr = self.arena_tensor.data_ptr()
+        for pos, n in segments:
+            ctypes.memset(arena_ptr + pos, 0, n)
+        plan, addresses, memmove = self.plan, self._addresses, ctypes.memmove
+        nbytes, offsets = plan.nbytes, plan.offsets
+        delta = u.global_offset - u.file_offset
+        wrapped = len(segments) > 1
+        on_cuda = False
+        for i in range(u.tensor, u.end):
+            n = nbytes[i]
+            if not n:
+                continue
+            addr = addresses[i]
+            where = offsets[i] + delta
+            if addr is not None and not wrapped:
+                memmove(arena_ptr + where % self.ring.capacity, addr, n)
+                continue
+            src = source_bytes(self.sources[i])
+            done = 0
+            for pos, take in self.ring.segments(where, n):
+                on_cuda = self._copy(pos, src, done, take) or on_cuda
+                done += take
+        return on_cuda
+
+    def _stage_bulk(self) -> None:
         """Host state that fits the arena: one parallel copy of everything, then every write."""
         copier = self.copier
         if copier is None:  # stage() chooses this path only with a copier
             raise ValueError("bulk staging needs a HostCopier")
         arena_ptr = self.arena_tensor.data_ptr()
+        plan, addresses = self.plan, self._addresses
+        nbytes, offsets = plan.nbytes, plan.offsets
         copies: list[tuple[int, int, int]] = []
         keep_alive = []  # contiguous copies made by source_bytes must outlive the memmoves
-        for t_index, units in units_by_tensor.items():
-            src = source_bytes(self.sources[t_index])
-            keep_alive.append(src)
-            src_ptr = src.data_ptr()
-            copies.extend((arena_ptr + u.global_offset, src_ptr + u.src_start, u.length) for u in units)
-        copier.copy_many(copies)
-        for u in self.plan.units:
+        memset = ctypes.memset
+        for u in plan.units:
+            if u.is_group:
+                memset(arena_ptr + u.global_offset, 0, u.padded)
+                delta = arena_ptr + u.global_offset - u.file_offset
+                for i in range(u.tensor, u.end):
+                    n = nbytes[i]
+                    if n:
+                        addr = addresses[i]
+                        if addr is None:
+                            src = source_bytes(self.sources[i])
+                            keep_alive.append(src)
+                            addr = src.data_ptr()
+                        copies.append((delta + offsets[i], addr, n))
+                continue
+            addr = addresses[u.tensor]
+            if addr is None:
+                src = source_bytes(self.sources[u.tensor])
+                keep_alive.append(src)
+                addr = src.data_ptr()
+            copies.append((arena_ptr + u.global_offset, addr + u.src_start, u.length))
             if u.padded > u.length:
-                ctypes.memset(arena_ptr + u.global_offset + u.length, 0, u.padded - u.length)
+                memset(arena_ptr + u.global_offset + u.length, 0, u.padded - u.length)
+        copier.copy_many(copies)
         del keep_alive
-        for u in self.plan.units:
-            segments = [(u.global_offset, u.padded)]
-            self.futures.append(self.executor.submit(self._write_unit, u, segments, None))
+        submit, write = self.executor.submit, self._write_unit
+        self.futures.extend(submit(write, u, [(u.global_offset, u.padded)], None) for u in plan.units)
 
     def wait_staged(self) -> None:
         """Block until the staged bytes are in host memory (device copies complete)."""
@@ -285,13 +421,19 @@ class StagedWrite:
         try:
             if event is not None:
                 event.synchronize()
-            crc, seen = 0, 0
-            for pos, n in segments:
-                take = max(0, min(n, u.length - seen))
-                if take:
-                    crc = crc32c_update(crc, self._view[pos : pos + take])
-                seen += n
-            self.crcs[u.tensor][u.chunk] = f"{crc:08x}"
+            if u.is_group:
+                self._checksum_group(u, segments)
+            else:
+                crc, seen = 0, 0
+                for pos, n in segments:
+                    take = max(0, min(n, u.length - seen))
+                    if take:
+                        crc = crc32c_update(crc, self._view[pos : pos + take])
+                    seen += n
+                if u.tensor in self.crcs:
+                    self.crcs[u.tensor][u.chunk] = f"{crc:08x}"
+                else:
+                    self.crc1[u.tensor] = f"{crc:08x}"
             offset = u.file_offset
             writer = self.writers[u.shard]
             for pos, n in segments:
@@ -301,6 +443,25 @@ class StagedWrite:
             self.ring.fail(exc)
             raise
         self.ring.release(u.global_offset, u.global_offset + u.padded)
+
+    def _checksum_group(self, u: Unit, segments: list[tuple[int, int]]) -> None:
+        nbytes, offsets, crcs, view = self.plan.nbytes, self.plan.offsets, self.crc1, self._view
+        if len(segments) == 1:
+            delta = segments[0][0] - u.file_offset
+            for i in range(u.tensor, u.end):
+                n = nbytes[i]
+                if n:
+                    p = offsets[i] + delta
+                    crcs[i] = f"{crc32c_update(0, view[p : p + n]):08x}"
+            return
+        delta = u.global_offset - u.file_offset
+        for i in range(u.tensor, u.end):
+            n = nbytes[i]
+            if n:
+                crc = 0
+                for pos, take in self.ring.segments(offsets[i] + delta, n):
+                    crc = crc32c_update(crc, view[pos : pos + take])
+                crcs[i] = f"{crc:08x}"
 
     # -- background thread ----------------------------------------------------------------------
 
@@ -325,14 +486,21 @@ class StagedWrite:
         crashpoint("after_shard_fsync")
         self.write_s = time.perf_counter() - start
         plan = self.plan
-        tensors = {}
-        for i, name in enumerate(plan.names):
-            shard_index, offset = plan.offsets[name]
-            tensors[name] = TensorEntry(
-                name, plan.dtypes[i], plan.shapes[i], shard_index, offset, plan.nbytes[i], tuple(self.crcs[i])
-            )
+        with paused_gc():
+            tensors = self._entries()
         shards = tuple(ShardInfo(shard_file(s.file), rank, s.size) for s in plan.shards)
         return Written(shards, tensors, plan.chunk_bytes)
+
+    def _entries(self) -> dict[str, TensorEntry]:
+        plan, entry, many = self.plan, TensorEntry, self.crcs
+        return {
+            name: entry(
+                name, dtype, shape, shard, offset, n, ((crc,) if i not in many else tuple(many[i])) if n else ()
+            )
+            for i, (name, dtype, shape, shard, offset, n, crc) in enumerate(
+                zip(plan.names, plan.dtypes, plan.shapes, plan.shard_of, plan.offsets, plan.nbytes, self.crc1)
+            )
+        }
 
     def abort(self) -> None:
         """Discard everything written (waits for in-flight writes first)."""

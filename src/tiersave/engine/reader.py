@@ -1,8 +1,8 @@
 """Read tensors of one checkpoint into caller-provided memory, verifying every chunk's CRC-32C.
 
 Scope: one parallel read of many tensors' chunks from open shard readers, each chunk checked before it
-counts as read. Anti-scope: choosing destinations (restore.py), opening shards and validating manifests
-(catalog.py).
+counts as read; runs of small tensors read as groups (one read, one job per group). Anti-scope: choosing
+destinations (restore.py), opening shards and validating manifests (catalog.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,16 @@ class ReadRequest:
     dest: memoryview
 
 
+SMALL_READ_BYTES = 1 << 20
+"""Tensors up to this size (and one checksum chunk) are read in groups: one read of the file range that holds a
+run of them, then a checksum and a copy per tensor, instead of a job and a future per tensor."""
+
+GROUP_READ_BYTES = 8 << 20
+"""The most bytes one group read spans (padding and gaps included)."""
+
+_MAX_GAP = 64 << 10  # a gap wider than this between two small tensors starts a new group (not worth reading)
+
+
 def read_tensors(
     reader_for: Callable[[int], BlobReader],
     requests: Sequence[ReadRequest],
@@ -37,6 +47,10 @@ def read_tensors(
 ) -> float:
     """Read all requests in parallel chunks; raise :class:`CorruptCheckpointError` on any mismatch.
 
+    Large tensors are read chunk by chunk straight into their destination, each chunk verified after it
+    lands. Small ones are read in groups into a scratch buffer, and each is verified there before its bytes
+    are copied to its destination (a mismatch names that tensor).
+
     Args:
         reader_for: returns the open reader of a shard index.
         describe: returns ``(shard file, step)`` of an entry, for error messages.
@@ -46,14 +60,58 @@ def read_tensors(
     """
     start = time.perf_counter()
     futures: list[Future[None]] = []
+    small_limit = min(SMALL_READ_BYTES, chunk_bytes)
+    small: list[tuple[int, int, ReadRequest]] = []
     for req in requests:
-        if len(req.dest) != req.entry.nbytes:
-            raise ValueError(f"destination for {req.entry.name!r} has {len(req.dest)} bytes, need {req.entry.nbytes}")
-        reader = reader_for(req.entry.shard)
-        for i, (off, length) in enumerate(chunk_ranges(req.entry.nbytes, chunk_bytes)):
+        entry = req.entry
+        if len(req.dest) != entry.nbytes:
+            raise ValueError(f"destination for {entry.name!r} has {len(req.dest)} bytes, need {entry.nbytes}")
+        if entry.nbytes <= small_limit:
+            if entry.nbytes:
+                small.append((entry.shard, entry.offset, req))
+            continue
+        reader = reader_for(entry.shard)
+        for i, (off, length) in enumerate(chunk_ranges(entry.nbytes, chunk_bytes)):
             futures.append(executor.submit(_read_chunk, reader, req, i, off, length, describe))
+    small.sort(key=lambda item: (item[0], item[1]))
+    group: list[ReadRequest] = []
+    g_shard = g_start = g_end = -1
+    for shard, offset, req in small:
+        end = offset + req.entry.nbytes
+        if group and shard == g_shard and g_end + _MAX_GAP >= offset and max(end, g_end) - g_start <= GROUP_READ_BYTES:
+            group.append(req)
+            g_end = max(g_end, end)
+            continue
+        if group:
+            futures.append(executor.submit(_read_group, reader_for(g_shard), group, g_start, g_end, describe))
+        group, g_shard, g_start, g_end = [req], shard, offset, end
+    if group:
+        futures.append(executor.submit(_read_group, reader_for(g_shard), group, g_start, g_end, describe))
     wait_all(futures)
     return time.perf_counter() - start
+
+
+def _read_group(
+    reader: BlobReader,
+    group: list[ReadRequest],
+    start: int,
+    end: int,
+    describe: Callable[[TensorEntry], tuple[str, int | None]],
+) -> None:
+    """Read the file range ``[start, end)`` once; verify each tensor in it, then copy it to its destination."""
+    scratch = memoryview(bytearray(end - start))
+    reader.read_into(start, scratch)
+    for req in group:
+        entry = req.entry
+        off = entry.offset - start
+        view = scratch[off : off + entry.nbytes]
+        actual = crc32c_hex(view)
+        if actual != entry.crc32c[0]:
+            _mismatch(entry, 0, entry.offset, entry.nbytes, actual, describe)
+        dest = req.dest
+        if dest.format != "B" or dest.ndim != 1:
+            dest = dest.cast("B")
+        dest[:] = view
 
 
 def _read_chunk(
@@ -67,14 +125,23 @@ def _read_chunk(
     view = req.dest[off : off + length]
     reader.read_into(req.entry.offset + off, view)
     actual = crc32c_hex(view)
-    expected = req.entry.crc32c[index]
-    if actual != expected:
-        file, step = describe(req.entry)
-        raise CorruptCheckpointError(
-            f"checksum mismatch in step {step}, file {file}, tensor {req.entry.name!r}, chunk {index} "
-            f"(bytes {req.entry.offset + off}..{req.entry.offset + off + length}): "
-            f"expected {expected}, got {actual}",
-            step=step,
-            file=file,
-            tensor=req.entry.name,
-        )
+    if actual != req.entry.crc32c[index]:
+        _mismatch(req.entry, index, req.entry.offset + off, length, actual, describe)
+
+
+def _mismatch(
+    entry: TensorEntry,
+    index: int,
+    start: int,
+    length: int,
+    actual: str,
+    describe: Callable[[TensorEntry], tuple[str, int | None]],
+) -> None:
+    file, step = describe(entry)
+    raise CorruptCheckpointError(
+        f"checksum mismatch in step {step}, file {file}, tensor {entry.name!r}, chunk {index} "
+        f"(bytes {start}..{start + length}): expected {entry.crc32c[index]}, got {actual}",
+        step=step,
+        file=file,
+        tensor=entry.name,
+    )

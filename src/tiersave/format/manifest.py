@@ -25,8 +25,9 @@ from .._version import __version__
 from ..errors import CorruptCheckpointError, FormatError, UnsupportedFormatVersionError
 from . import FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_STR
 from .checksum import ALGORITHM, chunk_count
+from .dtypes import DTYPES as _DTYPES
 from .dtypes import lookup
-from .jsonsafe import dumps_canonical, is_finite_number, loads_strict
+from .jsonsafe import dumps_canonical, is_finite_number, loads_strict, paused_gc
 from .layout import ALIGN, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, MAX_STEP, is_safe_file, is_valid_tag
 from .tree import validate_tree
 
@@ -122,6 +123,10 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """Serialize; the result parses back to an equal manifest."""
+        with paused_gc():
+            return self._to_json()
+
+    def _to_json(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
@@ -169,6 +174,11 @@ class Manifest:
             UnsupportedFormatVersionError: a major version this reader does not know.
             CorruptCheckpointError: the manifest contradicts where it was found (``expect_step``).
         """
+        with paused_gc():
+            return cls._parse(data, path=path, expect_step=expect_step)
+
+    @classmethod
+    def _parse(cls, data: bytes, *, path: str, expect_step: int | None) -> Manifest:
         doc = loads_strict(data, what=path, max_bytes=MAX_MANIFEST_BYTES)
         verified = _check_seal(doc, path)
         try:
@@ -348,6 +358,33 @@ class _Checker:
         return manifest
 
     def tensor(self, name: str, raw: Any, nshards: int, chunk_bytes: int) -> TensorEntry:
+        # The common, well-formed entry is accepted with a few type and range tests (a manifest may hold 10^5
+        # of them); anything else goes through the checks that name what is wrong.
+        if type(raw) is dict and raw.keys() == _TENSOR_FIELDS and 0 < len(name) <= _MAX_NAME and "\x00" not in name:
+            dtype, shape, shard, offset, nbytes, crcs = (
+                raw["dtype"], raw["shape"], raw["shard"], raw["offset"], raw["nbytes"], raw["crc32c"]
+            )  # fmt: skip
+            info = _DTYPES.get(dtype) if type(dtype) is str else None
+            if (
+                info is not None
+                and type(shape) is list
+                and len(shape) <= _MAX_NDIM
+                and all(type(d) is int and 0 <= d <= _MAX_INT for d in shape)
+                and type(shard) is int
+                and 0 <= shard < nshards
+                and type(offset) is int
+                and 0 <= offset <= _MAX_INT
+                and type(nbytes) is int
+                and nbytes == math.prod(shape) * info.itemsize
+                and nbytes <= _MAX_INT
+                and type(crcs) is list
+                and len(crcs) == chunk_count(nbytes, chunk_bytes)
+                and all(type(c) is str and _HEX8.match(c) for c in crcs)
+            ):
+                return TensorEntry(name, dtype, tuple(shape), shard, offset, nbytes, tuple(crcs))
+        return self._tensor_checked(name, raw, nshards, chunk_bytes)
+
+    def _tensor_checked(self, name: str, raw: Any, nshards: int, chunk_bytes: int) -> TensorEntry:
         if not name or len(name) > _MAX_NAME or "\x00" in name:
             raise self.fail(f"tensor name {name[:80]!r} is empty, too long or contains NUL")
         what = f"tensor {name!r}"

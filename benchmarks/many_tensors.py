@@ -1,0 +1,215 @@
+"""Issue 15's benchmark: what a save and a restore cost per tensor, for states of very many tensors.
+
+Measured side by side in one run, on the same state and the same disk, interleaved run by run:
+
+- ``save``: tiersave ``save(blocking=True)`` (staged, written, fsync'd and committed; warm staging arena);
+- ``async``: how long ``save_async`` blocks the caller (the handle is then waited for, outside the timing);
+- ``restore``: a fresh ``Checkpointer`` on the same root, ``restore()`` into a new tree (manifest parsed,
+  every chunk verified);
+- ``torch.save``: ``torch.save`` of the same dict, then ``fsync`` of the file;
+- ``torch.load``: ``torch.load(weights_only=True)`` of that file.
+
+States: a flat dict of N tensors of 1 KiB each (``--counts``), and an MoE-like state of many expert
+tensors of a few MiB (``--moe-mb`` in all, ``--expert-mib`` each) against the same bytes held in four
+large tensors. Medians of ``--runs`` interleaved runs; ratios are what to compare across machines.
+
+Usage::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/many_tensors.py --counts 2000 20000 100000 --moe-mb 1024
+    PYTHONPATH=src .venv/bin/python benchmarks/many_tensors.py --counts 20000 --profile save
+
+``--profile save|async|restore`` runs cProfile on one extra operation of the largest count and prints the
+functions with the most own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import tiersave
+
+
+def small_state(count: int, nbytes: int = 1024) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(count)
+    return {f"experts.{i // 384}.{i % 384}.w": torch.randn(nbytes // 4, generator=g) for i in range(count)}
+
+
+def moe_state(total_mb: int, expert_mib: int) -> dict[str, torch.Tensor]:
+    per = expert_mib << 18  # float32 elements in expert_mib MiB
+    count = max(1, (total_mb << 20) // (expert_mib << 20))
+    g = torch.Generator().manual_seed(1)
+    return {f"layers.{i // 64}.experts.{i % 64}.w": torch.randn(per, generator=g) for i in range(count)}
+
+
+def few_state(total_mb: int, pieces: int = 4) -> dict[str, torch.Tensor]:
+    per = (total_mb << 18) // pieces
+    g = torch.Generator().manual_seed(2)
+    return {f"big.{i}": torch.randn(per, generator=g) for i in range(pieces)}
+
+
+class Case:
+    """One state measured with every method; each method keeps its own samples."""
+
+    def __init__(self, label: str, state: dict[str, torch.Tensor], root: str) -> None:
+        self.label = label
+        self.state = state
+        self.root = root
+        self.samples: dict[str, list[float]] = {}
+        self.ckpt_dir = os.path.join(root, label, "tiersave")
+        self.torch_file = os.path.join(root, label, "state.pt")
+        os.makedirs(self.ckpt_dir, exist_ok=True)
+        self.ck = tiersave.Checkpointer(self.ckpt_dir, keep_last=2, event_log=False, handle_sigterm=False)
+        self.step = 0
+        self.ck.save(self.step, self.state)  # warm: the staging arena exists from here on
+
+    def record(self, method: str, seconds: float) -> None:
+        self.samples.setdefault(method, []).append(seconds)
+
+    def run_once(self) -> None:
+        self.step += 1
+        t0 = time.perf_counter()
+        self.ck.save(self.step, self.state)
+        self.record("save", time.perf_counter() - t0)
+
+        self.step += 1
+        t0 = time.perf_counter()
+        handle = self.ck.save_async(self.step, self.state)
+        self.record("async", time.perf_counter() - t0)
+        handle.result(timeout=600)
+
+        self.record("restore", self._restore())
+
+        t0 = time.perf_counter()
+        torch.save(self.state, self.torch_file)
+        with open(self.torch_file, "rb") as f:
+            os.fsync(f.fileno())
+        self.record("torch.save", time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        torch.load(self.torch_file, weights_only=True)
+        self.record("torch.load", time.perf_counter() - t0)
+
+    def _restore(self) -> float:
+        reader = tiersave.Checkpointer(self.ckpt_dir, event_log=False, handle_sigterm=False)
+        try:
+            t0 = time.perf_counter()
+            reader.restore(self.step)
+            return time.perf_counter() - t0
+        finally:
+            reader.close()
+
+    def median(self, method: str) -> float:
+        return statistics.median(self.samples[method])
+
+    def close(self) -> None:
+        self.ck.close()
+
+
+def profile(case: Case, what: str, top: int) -> None:
+    ops: dict[str, Callable[[], Any]] = {
+        "save": lambda: case.ck.save(case.step + 1, case.state),
+        "async": lambda: case.ck.save_async(case.step + 1, case.state),
+        "restore": lambda: tiersave.Checkpointer(case.ckpt_dir, event_log=False, handle_sigterm=False).restore(
+            case.step
+        ),
+    }
+    prof = cProfile.Profile()
+    prof.enable()
+    result = ops[what]()
+    prof.disable()
+    if what == "async":
+        result.result(timeout=600)
+    case.step += 1
+    print(f"\n== cProfile of {what}, {case.label} (own time) ==")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
+def fmt(seconds: float) -> str:
+    return f"{seconds * 1e3:9.1f} ms" if seconds < 10 else f"{seconds:9.2f} s "
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--counts", type=int, nargs="*", default=[2000, 20000, 100000], help="tensors of 1 KiB")
+    p.add_argument("--moe-mb", type=int, default=1024, help="MoE-like state size in MiB (0: skip)")
+    p.add_argument("--expert-mib", type=int, default=4, help="MiB per expert tensor")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    p.add_argument("--json", default=None, help="write the samples to this file")
+    p.add_argument("--profile", choices=["save", "async", "restore"], default=None)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args(argv)
+    warnings.simplefilter("ignore")
+    root = tempfile.mkdtemp(prefix="many-tensors-", dir=args.dir)
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    try:
+        cases: list[Case] = [Case(f"{n}x1KiB", small_state(n), root) for n in args.counts]
+        if args.moe_mb:
+            cases.append(Case(f"moe-{args.expert_mib}MiB", moe_state(args.moe_mb, args.expert_mib), root))
+            cases.append(Case("few-large", few_state(args.moe_mb), root))
+        for r in range(args.runs):
+            for case in cases:
+                case.run_once()
+            print(f"run {r + 1}/{args.runs} done", file=sys.stderr)
+        methods = ["save", "torch.save", "async", "restore", "torch.load"]
+        print(f"\nmedians of {args.runs} interleaved runs; torch {torch.__version__}; {os.cpu_count()} cpus")
+        header = f"{'state':>14} | " + " | ".join(f"{m:>12}" for m in methods)
+        header += " | save/torch | restore/load | async us/tensor"
+        print(header)
+        print("-" * len(header))
+        for case in cases:
+            med = {m: case.median(m) for m in methods}
+            n = len(case.state)
+            print(
+                f"{case.label:>14} | "
+                + " | ".join(f"{fmt(med[m]):>12}" for m in methods)
+                + f" | {med['save'] / med['torch.save']:10.2f} | {med['restore'] / med['torch.load']:12.2f}"
+                + f" | {med['async'] / n * 1e6:15.2f}"
+            )
+        small = [c for c in cases if c.label.endswith("x1KiB")]
+        if small:
+            print(
+                "\nper tensor (us): "
+                + ", ".join(
+                    f"{len(c.state)}: save {c.median('save') / len(c.state) * 1e6:.1f} / "
+                    f"async {c.median('async') / len(c.state) * 1e6:.1f} / "
+                    f"restore {c.median('restore') / len(c.state) * 1e6:.1f}"
+                    for c in small
+                )
+            )
+        by = {c.label: c for c in cases}
+        if args.moe_mb:
+            moe, few = by[f"moe-{args.expert_mib}MiB"], by["few-large"]
+            print(
+                f"MoE-like vs few large: save {moe.median('save') / few.median('save'):.2f}x, "
+                f"async {moe.median('async') / few.median('async'):.2f}x, "
+                f"restore {moe.median('restore') / few.median('restore'):.2f}x"
+            )
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({c.label: {"tensors": len(c.state), **c.samples} for c in cases}, f, indent=1)
+        if args.profile:
+            profile(cases[len(small) - 1] if small else cases[0], args.profile, args.top)
+        for case in cases:
+            case.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
