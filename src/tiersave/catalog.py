@@ -328,15 +328,21 @@ class Catalog:
         try:
             with ckpt:
                 m = ckpt.manifest
+                try:  # open and size-check every shard before allocating anything for its tensors
+                    for index in range(len(m.shards)):
+                        ckpt.reader(index)
+                except (FormatError, ObjectNotFoundError) as exc:
+                    errors.append(str(exc))
                 requests = []
-                buffers = []
+                pending = 0
                 for entry in m.tensors.values():
-                    buf = bytearray(entry.nbytes)
-                    buffers.append(buf)
-                    requests.append(ReadRequest(entry, memoryview(buf)))
-                    if sum(len(b) for b in buffers) > (256 << 20):  # verify in bounded memory
+                    if errors:
+                        break
+                    requests.append(ReadRequest(entry, memoryview(bytearray(entry.nbytes))))
+                    pending += entry.nbytes
+                    if pending > (256 << 20):  # verify in bounded memory
                         checked += self._verify_batch(ckpt, requests, pool, errors)
-                        requests, buffers = [], []
+                        requests, pending = [], 0
                 checked += self._verify_batch(ckpt, requests, pool, errors)
                 if not errors:
                     checked += self._verify_padding(ckpt, errors)

@@ -101,18 +101,22 @@ def export_safetensors(
             batch: list[ReadRequest] = []
             buffers: list[bytearray] = []
 
+            pending = [0]
+
             def flush() -> None:
                 ckpt.read(batch, executor=pool)
                 for buf in buffers:
                     f.write(buf)
                 batch.clear()
                 buffers.clear()
+                pending[0] = 0
 
             for _, _, entry in selected:
                 buf = bytearray(entry.nbytes)
                 buffers.append(buf)
                 batch.append(ReadRequest(entry, memoryview(buf)))
-                if sum(len(b) for b in buffers) >= _BATCH_BYTES:
+                pending[0] += entry.nbytes
+                if pending[0] >= _BATCH_BYTES:
                     flush()
             flush()
             f.flush()
