@@ -7,6 +7,7 @@ an interpreter start. Each test prints its trial count and seed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -140,29 +141,36 @@ def test_crash_while_deleting_leaves_no_half_checkpoint(root):
         assert listing(root) == ["step-0000000002", "step-0000000003"]
 
 
-def test_prune_keeps_the_directory_of_a_live_save(root):
+@contextlib.contextmanager
+def live_save(root: Path, step: int):
+    """Another process, alive, in the middle of saving ``step``: its temporary directory exists and stays
+    while the block runs; the process is killed at the end. Yields the directory's name."""
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # a "save" that holds its temporary directory open and waits
+    if pid == 0:
         os.close(r)
         from tiersave.commit import tmp_token
         from tiersave.format.layout import tmp_dirname
 
-        (root / tmp_dirname(9, tmp_token())).mkdir()
-        os.write(w, b"ready")
+        name = tmp_dirname(step, tmp_token())
+        (root / name).mkdir()
+        os.write(w, name.encode())
         time.sleep(30)
         os._exit(0)
     os.close(w)
-    assert os.read(r, 5) == b"ready"
     try:
-        with tiersave.Checkpointer(root) as ckpt:
-            ((name, status),) = ckpt.catalog.leftovers()
-            assert status == "live"
-            ckpt.prune(keep_last=1)
-            assert (root / name).exists()
+        yield os.read(r, 200).decode()
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def test_prune_keeps_the_directory_of_a_live_save(root):
+    with live_save(root, 9) as live, tiersave.Checkpointer(root) as ckpt:
+        ((name, status),) = ckpt.catalog.leftovers()
+        assert status == "live" and name == live
+        ckpt.prune(keep_last=1)
+        assert (root / name).exists()
     with tiersave.Checkpointer(root) as ckpt:
         assert ckpt.catalog.leftovers() == [(name, "dead")]
         ckpt.prune(keep_last=1)
@@ -189,29 +197,12 @@ def test_the_next_save_removes_a_killed_saves_leftovers_but_never_a_live_ones(tm
         assert acked == [1] and os.WIFSIGNALED(status)
         dead = [p.name for p in root.iterdir() if ".tmp-" in p.name]
         assert len(dead) == 1
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # another writer, alive, in the middle of its save
-            os.close(r)
-            from tiersave.commit import tmp_token
-            from tiersave.format.layout import tmp_dirname
-
-            (root / tmp_dirname(50, tmp_token())).mkdir()
-            os.write(w, b"ready")
-            time.sleep(30)
-            os._exit(0)
-        os.close(w)
-        assert os.read(r, 5) == b"ready"
-        try:
-            with tiersave.Checkpointer(target) as ckpt:  # type: ignore[arg-type]
-                ckpt.save(2, state_for(2))
-                ckpt.wait()
-                left = sorted(p.name for p in root.iterdir() if ".tmp-" in p.name)
-            assert dead[0] not in left  # removed by the save's follow-up
-            assert len(left) == 1 and left[0].startswith("step-0000000050.tmp-")  # the live one stays
-        finally:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        with live_save(root, 50) as live, tiersave.Checkpointer(target) as ckpt:  # type: ignore[arg-type]
+            ckpt.save(2, state_for(2))
+            ckpt.wait()
+            left = sorted(p.name for p in root.iterdir() if ".tmp-" in p.name)
+        assert dead[0] not in left  # removed by the save's follow-up
+        assert left == [live]  # the live one stays
     finally:
         if root_kind == "mem":
             import shutil
