@@ -241,6 +241,19 @@ class Catalog:
                 out.append(step)
         return sorted(out)
 
+    def damaged(self) -> list[str]:
+        """Step directories that hold no manifest on a file system (where a commit renames a complete
+        directory into place, so ``step-N`` without ``manifest.json`` was damaged or made by hand). Never
+        counted as checkpoints, never deleted by retention: a person should look. Empty on object stores,
+        where ``step-N/`` without a manifest is an attempt in progress or a leftover."""
+        if not self.storage.capabilities.atomic_rename:
+            return []
+        return sorted(
+            name
+            for name in self.storage.list_dirs("")
+            if parse_step_dirname(name) is not None and not self.storage.exists(f"{name}/{MANIFEST_NAME}")
+        )
+
     def manifest(self, step: int) -> Manifest:
         """The validated manifest of ``step`` (cached: committed checkpoints never change)."""
         with self._lock:

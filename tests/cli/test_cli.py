@@ -45,7 +45,17 @@ def test_ls_json(capsys, populated):
     assert code == 0
     assert [c["step"] for c in doc["checkpoints"]] == [100, 200, 300]
     assert doc["checkpoints"][1]["tags"] == ["best"] and doc["checkpoints"][1]["metrics"] == {"loss": 5.0}
-    assert doc["leftovers"] == []
+    assert doc["leftovers"] == [] and doc["damaged"] == []
+
+
+def test_ls_reports_a_step_directory_without_its_manifest(capsys, populated):
+    (populated / "step-0000000200" / "manifest.json").unlink()
+    code, doc = run_json(capsys, "ls", str(populated))
+    assert code == 0
+    assert [c["step"] for c in doc["checkpoints"]] == [100, 300]
+    assert [d["name"] for d in doc["damaged"]] == ["step-0000000200"]
+    assert main(["ls", str(populated)]) == 0
+    assert "damaged (a step directory without manifest.json" in capsys.readouterr().out
 
 
 def test_ls_text_and_leftovers(capsys, populated):

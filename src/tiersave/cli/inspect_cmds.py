@@ -94,6 +94,7 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
             ]
         )
     leftovers = [{"root": c.storage.uri, "name": n, "status": s} for c in catalogs for n, s in c.leftovers()]
+    damaged = [{"root": c.storage.uri, "name": n} for c in catalogs for n in c.damaged()]
     headers = ["step", "tiers", "created (UTC)", "size", "tensors", "tags", "metrics"]
     if len(catalogs) == 1:  # one root: no tiers column
         headers.pop(1)
@@ -104,7 +105,10 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
         text += "\n\nleftovers (removed by `tiersave prune`):\n" + "\n".join(
             f"  {x['root']}: {x['name']}  ({x['status']})" for x in leftovers
         )
-    doc: dict[str, Any] = {"checkpoints": items, "leftovers": leftovers}
+    if damaged:
+        text += "\n\ndamaged (a step directory without manifest.json: not a checkpoint; nothing removes it):\n"
+        text += "\n".join(f"  {x['root']}: {x['name']}" for x in damaged)
+    doc: dict[str, Any] = {"checkpoints": items, "leftovers": leftovers, "damaged": damaged}
     if len(catalogs) == 1:
         doc["root"] = catalogs[0].storage.uri
     else:
