@@ -38,20 +38,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
+from tiersave.bench.device import evict
+
 METHODS = ("tiersave", "fs", "fs-t4")
 TENSORS_PER_RANK = 24
-
-
-def evict(root: Path) -> None:
-    """Push every file under ``root`` out of the page cache (after an fsync), for cold reads."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def writer(method: str, base: Path, step: int) -> Any:
@@ -101,7 +91,7 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: st
             w = writer(method, base, step)
             times[method]["save"].append(timed(lambda w=w: dcp.save(state, storage_writer=w)))
             if rank == 0:
-                evict(base / method)
+                evict([base / method], drop_caches=False)  # fadvise, as before: no root needed
             dest = {k: torch.zeros_like(v) for k, v in state.items()}
             r = reader(method, base, step)
             times[method]["load"].append(timed(lambda r=r, dest=dest: dcp.load(dest, storage_reader=r)))

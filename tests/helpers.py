@@ -70,3 +70,22 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         )
         return
     assert type(a) is type(b) and a == b, f"{where}: {a!r} ({type(a).__name__}) vs {b!r} ({type(b).__name__})"
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """Run ``tiersave ARGV`` in-process: (exit code, stdout, stderr)."""
+    from tiersave.cli import main
+
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def run_cli_json(capsys, *argv: str) -> dict:
+    """Run ``tiersave ARGV --json``, which must succeed; its JSON document."""
+    import json
+
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    doc: dict = json.loads(out)
+    return doc

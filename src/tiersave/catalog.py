@@ -106,6 +106,23 @@ class CheckpointInfo:
             "tiers": list(self.tiers),
         }
 
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> CheckpointInfo:
+        """The inverse of :meth:`to_json` (plus ``stats`` when present), for an info sent between ranks."""
+        return cls(
+            step=int(doc["step"]),
+            location=str(doc["location"]),
+            created_at=str(doc["created_at"]),
+            tags=tuple(doc["tags"]),
+            metrics=dict(doc["metrics"]),
+            num_tensors=int(doc["num_tensors"]),
+            tensor_bytes=int(doc["tensor_bytes"]),
+            stored_bytes=int(doc["stored_bytes"]),
+            world_size=int(doc["world_size"]),
+            stats=dict(doc.get("stats", {})),
+            tiers=tuple(doc.get("tiers", ())),
+        )
+
 
 @dataclass
 class VerifyReport:

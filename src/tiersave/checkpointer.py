@@ -43,7 +43,7 @@ from ._futures import wait_queues
 from .catalog import CheckpointInfo, VerifyReport
 from .collective import join
 from .engine.pool import DaemonThreadPool
-from .errors import ClosedError, ConfigError, SaveError, TiersaveError, TiersaveWarning
+from .errors import ClosedError, ConfigError, SaveError, TiersaveWarning
 from .format.layout import MAX_CHUNK_BYTES
 from .handle import SaveHandle
 from .planner.schedule import SaveCost, Schedule, parse_schedule
@@ -394,10 +394,8 @@ class Checkpointer:
         if pending.manifest is not None and self._rank == 0:
             self._chain.after_commit(pending.handle, pending.manifest, pending.started_wall)
             return
-        try:  # another rank: rank 0 committed the global manifest
-            pending.handle._set_result(self.catalog.info(pending.request.step))
-        except TiersaveError as exc:
-            pending.handle._set_error(exc)
+        if pending.info is not None:  # another rank: rank 0 committed the global manifest and described it
+            pending.handle._set_result(pending.info)
 
     def _raise_unobserved(self) -> None:
         last = self._last

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from .commit import tmp_token
 from .errors import ConfigError, CorruptCheckpointError, ObjectNotFoundError, StateMismatchError
 from .format.manifest import Manifest, ShardInfo, TensorEntry
+from .format.tree import T_NDARRAY, T_TENSOR
 from .storage.base import Storage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -182,20 +183,22 @@ def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest
         StateMismatchError: the checkpoint was saved by another number of ranks (resharding goes through DCP).
     """
     saved = manifest.world_size
-    explicit = world_size == 1 and rank is not None  # restore(rank=R) in a single process
-    if not explicit and saved != world_size:
-        raise StateMismatchError(
-            f"step {manifest.step} was saved by {saved} rank(s) and this job has {world_size}: the native API "
-            "restores onto the same number of ranks only. Reshard through torch.distributed.checkpoint with "
-            "tiersave.dcp (docs/dcp.md), or, in a single process, read one rank's state with restore(rank=R)"
-        )
-    if saved == 1 and not explicit:
-        return manifest
-    if rank is None or not 0 <= rank < saved or saved == 1:
+    if rank is None or world_size > 1:  # a job restores its own part: the number of ranks must match
+        if saved != world_size:
+            raise StateMismatchError(
+                f"step {manifest.step} was saved by {saved} rank(s) and this job has {world_size}: the native "
+                "API restores onto the same number of ranks only. Reshard through torch.distributed.checkpoint "
+                "with tiersave.dcp (docs/dcp.md), or, in a single process, read one rank's state with "
+                "restore(rank=R)"
+            )
+        if saved == 1:
+            return manifest
+    elif saved == 1 or not 0 <= rank < saved:  # restore(rank=R) in a single process
         raise StateMismatchError(
             f"step {manifest.step} was saved by {saved} rank(s): there is no rank {rank} to restore"
             + (" (a single-rank checkpoint: restore it without rank=)" if saved == 1 else "")
         )
+    assert rank is not None
     key = rank_key(rank)
     prefix = key + "/"
     tree = manifest.tree.get(key) if isinstance(manifest.tree, dict) else None
@@ -221,7 +224,7 @@ def _prefix_refs(tree: Any, prefix: str) -> Any:
         elif isinstance(node, dict):
             if len(node) == 1:
                 ((tag, payload),) = node.items()
-                if tag in ("$tensor", "$ndarray") and isinstance(payload, str):
+                if tag in (T_TENSOR, T_NDARRAY) and isinstance(payload, str):
                     parent[key] = {tag: prefix + payload}
                     continue
             copy = {}

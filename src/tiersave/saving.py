@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .catalog import CheckpointInfo
 from .collective import check_shards_visible, merge_parts, rank_part
 from .engine.pipeline import StagedWrite, Written, plan_save
 from .engine.stage import HostCopier, StagingArena, needs_pinned
@@ -100,6 +101,7 @@ class PendingSave:
     started: float
     started_wall: float
     manifest: Manifest | None = None  # set once committed (on rank 0 of a collective save)
+    info: CheckpointInfo | None = None  # the committed checkpoint, as rank 0 described it (other ranks)
 
 
 class Saver:
@@ -132,6 +134,7 @@ class Saver:
         self.group = group
         self.rank = group.rank if group is not None else 0
         self.storage: Storage = tier.storage
+        self.catalog = tier.catalog
         self.commit = tier.commit
         self.chunk_bytes = chunk_bytes
         self.max_shard_bytes = max_shard_bytes
@@ -307,10 +310,13 @@ class Saver:
             self.commit.commit(p.prefix, request.step, manifest.to_json())
             p.manifest = manifest
             stats.commit_s = time.perf_counter() - t_commit
-            return None
+            info = CheckpointInfo.from_manifest(manifest, self.catalog.location(request.step))
+            return {**info.to_json(), "stats": info.stats}  # so no other rank reads the global manifest back
 
         part = rank_part(self.rank, written.shards, written.tensors, p.tree)
-        self.group.vote(request.step, part, commit=commit if self.rank == 0 else None)
+        outcome = self.group.vote(request.step, part, commit=commit if self.rank == 0 else None)
+        if self.rank != 0:
+            p.info = CheckpointInfo.from_json(outcome.result)  # type: ignore[arg-type]
 
     def vote_no(self, step: int, exc: BaseException, prefix: str | None = None) -> None:
         """Commit thread, after this rank failed to stage ``step`` (its caller already got the error): vote

@@ -384,8 +384,10 @@ class TierChain:
         its cadence is widened (a warning says so)."""
         if tier.drainer is None:
             return
+        widen = False
         with self._lock:
-            if tier.busy is not None and not tier.busy.done():
+            deferred = tier.busy is not None and not tier.busy.done()
+            if deferred:
                 tier.skipped += 1
                 tier.busy_streak += 1
                 if tier.behind is not None:
@@ -401,8 +403,7 @@ class TierChain:
                 if tier.behind is not None:  # this newer save supersedes the one waiting to catch up
                     self.protection.release(0, tier.behind)
                     tier.behind = None
-                widen = None
-        if widen is not None:
+        if deferred:
             self.log(
                 {
                     "step": handle.step,

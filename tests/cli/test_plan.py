@@ -11,10 +11,11 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from helpers import run_cli as run
+from helpers import run_cli_json as run_json
 from tiersave.cli import main
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "planning.md"
@@ -31,19 +32,6 @@ LITERATURE = [
     "--checkpoints-per-mttf",
     "20",
 ]
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
-    code, out, err = run(capsys, *argv, "--json")
-    assert code == 0, err
-    data: dict[str, Any] = json.loads(out)
-    return data
 
 
 def test_literature_figures_as_json(capsys: pytest.CaptureFixture[str]) -> None:

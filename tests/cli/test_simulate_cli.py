@@ -3,15 +3,14 @@ checkpoint root as inputs, replayed failures, the plot, start-up without torch, 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tiersave.cli import main
+from helpers import run_cli as run
+from helpers import run_cli_json as run_json
 
 SEEDS = [
     "simulate",
@@ -34,19 +33,6 @@ SEEDS = [
     "--runs",
     "4",
 ]
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
-    code, out, err = run(capsys, *argv, "--json")
-    assert code == 0, err
-    doc: dict[str, Any] = json.loads(out)
-    return doc
 
 
 def test_seeds_example_json(capsys: pytest.CaptureFixture[str]) -> None:
