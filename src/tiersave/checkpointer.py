@@ -46,6 +46,7 @@ from .engine.pool import DaemonThreadPool
 from .errors import ClosedError, ConfigError, SaveError, TiersaveWarning
 from .format.layout import MAX_CHUNK_BYTES
 from .handle import SaveHandle
+from .partial import Selection
 from .planner.schedule import SaveCost, Schedule, parse_schedule
 from .policy import RetentionPolicy
 from .restore import RestoreReport, restore_from
@@ -416,6 +417,9 @@ class Checkpointer:
         into: Any = None,
         strict: bool = True,
         rank: int | None = None,
+        keys: str | Sequence[str] | None = None,
+        cast: bool = False,
+        dtype: Any = None,
     ) -> Any:
         """Restore a checkpoint and return the state.
 
@@ -423,34 +427,36 @@ class Checkpointer:
         device allow (no extra full copy), stateful objects get ``load_state_dict``, and dicts/lists are
         updated in place; ``into`` itself is returned. Without it, a new tree of CPU tensors is returned.
 
-        Tiers are tried fastest first: a copy that is missing or fails verification is reported
-        (``TiersaveWarning``) and the same step is read from the next tier holding it; with ``step=None``,
-        when no tier has a good copy of the newest step, the next older step is tried.
+        Tiers are tried fastest first: a missing or damaged copy is reported (``TiersaveWarning``) and the next tier
+        holding the step is read; with ``step=None``, when no tier has a good copy, the next older step is tried.
 
         Args:
             step: the step to restore; None means the newest.
             tag: restore the newest checkpoint carrying this tag.
-            into: the live state to load into (same structure as saved).
-            strict: with ``into``, fail when ``into`` has keys the checkpoint lacks.
+            into: the live state to load into: all of the saved structure or a part (only that part is read).
+            strict: with ``into``, fail when ``into`` has keys the checkpoint lacks. False: leave out what ``into``
+                cannot take (a new head) and report it in ``last_restore`` and a log line (docs/quickstart.md).
+            keys: read only these paths of the saved tree (``"model"``, ``"model.encoder"``).
+            cast: convert floating-point tensors to the live dtype (else a dtype mismatch is an error).
+            dtype: return floating-point tensors as this ``torch.dtype`` (implies ``cast``).
             rank: in a single process, read rank ``rank``'s state of a checkpoint saved by several ranks (in a
                 collective Checkpointer each rank restores its own; the number of ranks must match).
 
         Raises:
             CheckpointNotFoundError: no committed checkpoint matches.
             CorruptCheckpointError / FormatError: the requested (or every) checkpoint failed to verify.
-            StateMismatchError: the live state cannot hold the checkpoint, or it was saved by another number
-                of ranks (reshard through ``tiersave.dcp``).
+            StateMismatchError: the live state cannot hold the checkpoint, a path of ``keys`` names nothing in
+                it, or it was saved by another number of ranks (reshard through ``tiersave.dcp``).
             DistributedCheckpointError: (collective) another rank failed or did not answer in time.
 
-        In a collective Checkpointer every rank tries the same copies in the same order (rank 0's list) and
-        moves to the next only together, so all ranks restore the same step.
+        Collective: every rank tries rank 0's list of copies in order, moving on only together (the same step on all).
 
-        If reading fails midway, tensors in ``into`` may hold partial data; no ``load_state_dict`` or
-        dict update happens unless every byte verified.
+        If reading fails midway, ``into``'s tensors may hold partial data; nothing is loaded unless all verified.
         """
         self._check_open()
+        sel = Selection.of(keys, cast, dtype)
         result, self.last_restore = restore_from(
-            self._chain, step, tag, into, strict, self._pool, collective=self._collective, rank=rank
+            self._chain, step, tag, into, strict, self._pool, collective=self._collective, rank=rank, selection=sel
         )
         return result
 

@@ -41,6 +41,7 @@ from .errors import (
 )
 from .format.jsonsafe import paused_gc
 from .format.layout import ALIGN
+from .partial import ALL, Loader, LoadReport, Selection, cast_hint, castable, referenced, select_into, select_keys
 from .state import (
     Target,
     apply_into,
@@ -72,6 +73,11 @@ class RestoreReport:
         in_place: tensors read directly into the live state's memory.
         skipped: ``(step, reason)`` for each copy (newer, or in a faster tier) that could not be used.
         tier: the name of the tier it was read from.
+        missing: (``strict=False``) paths of the live state the checkpoint had nothing for, a module's included.
+        unexpected: (``strict=False``) saved keys a module does not have: not read.
+        mismatched: (``strict=False``) saved tensors whose shape differs from the live one: not read, the live
+            tensor keeps its value.
+        cast: paths of tensors converted to another dtype (``cast=True`` or ``dtype=``).
     """
 
     step: int
@@ -81,6 +87,10 @@ class RestoreReport:
     in_place: int
     skipped: list[tuple[int, str]] = field(default_factory=list)
     tier: str = ""
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    cast: list[str] = field(default_factory=list)
 
 
 def restore_from(
@@ -93,6 +103,7 @@ def restore_from(
     *,
     collective: Collective | None = None,
     rank: int | None = None,
+    selection: Selection = ALL,
 ) -> tuple[Any, RestoreReport]:
     """Restore ``step`` (None: the newest; with ``tag``, the newest carrying it) from the fastest tier holding
     a good copy; see ``Checkpointer.restore`` for the fallback rules and the errors raised.
@@ -100,7 +111,7 @@ def restore_from(
     With ``collective`` (a collective restore), every rank tries rank 0's list of copies in order, reads its own
     part (``rank``) of each, and the ranks move on to the next copy together when any of them could not use
     it, so that all restore the same step. ``rank`` (a single process only) reads that rank's state of a
-    checkpoint saved by several ranks."""
+    checkpoint saved by several ranks. ``selection``: the part to read (``keys=``) and the dtype cast."""
     if collective is not None and rank is not None:
         raise ConfigError("rank= is for reading one rank's state in a single process; each rank restores its own")
     group = collective.group if collective is not None else None
@@ -118,7 +129,8 @@ def restore_from(
                 try:
                     with tier.catalog.open(candidate) as ckpt:
                         ckpt.manifest = rank_view(ckpt.manifest, rank, world_size)
-                        result, nbytes, in_place = Restore(ckpt, into, strict).run(pool)
+                        job = Restore(ckpt, into, strict, selection)
+                        result, nbytes, in_place = job.run(pool)
                 except (FormatError, CheckpointNotFoundError, StorageError) as exc:  # this copy is unusable
                     error = exc
                 except TiersaveError as exc:  # not a matter of this copy: every rank stops here
@@ -152,9 +164,21 @@ def restore_from(
                     )
                     continue
                 location = tier.catalog.location(candidate)
+                loaded = job.loaded
                 report = RestoreReport(
-                    candidate, location, nbytes, time.perf_counter() - start, in_place, skipped, tier.name
+                    candidate,
+                    location,
+                    nbytes,
+                    time.perf_counter() - start,
+                    in_place,
+                    skipped,
+                    tier.name,
+                    loaded.missing,
+                    loaded.unexpected,
+                    loaded.mismatched,
+                    loaded.cast,
                 )
+                loaded.log(candidate)
                 return result, report
         if not vanished:
             break
@@ -237,10 +261,12 @@ def _copy_error(error: TiersaveError) -> bool:
 class Restore:
     """One restore of one checkpoint: choose destinations, read, copy, rebuild."""
 
-    def __init__(self, ckpt: OpenCheckpoint, into: Any, strict: bool) -> None:
+    def __init__(self, ckpt: OpenCheckpoint, into: Any, strict: bool, selection: Selection = ALL) -> None:
         self.ckpt = ckpt
         self.into = into
         self.strict = strict
+        self.selection = selection
+        self.loaded = LoadReport()
 
     def run(self, pool: Executor) -> tuple[Any, int, int]:
         with paused_gc():  # 10^5 tensors make 10^6 small objects; see paused_gc
@@ -249,6 +275,14 @@ class Restore:
     def _run(self, pool: Executor) -> tuple[Any, int, int]:
         manifest = self.ckpt.manifest
         saved = decode_placeholders(manifest.tree)
+        sel, casting = self.selection, self.selection.casting
+        # A partial restore reads only the tensors of the part asked for (keys=) and held by the live state.
+        if sel.keys is not None:
+            saved = select_keys(saved, sel.keys, manifest.step)
+        if self.into is not None:
+            shapes = {name: entry.shape for name, entry in manifest.tensors.items()}
+            saved = select_into(saved, self.into, strict=self.strict, shapes=shapes, report=self.loaded)
+        wanted = referenced(saved) if sel.keys is not None or self.into is not None else None
         targets = match_targets(saved, self.into, strict=self.strict) if self.into is not None else {}
         requests: list[ReadRequest] = []
         dests: dict[str, torch.Tensor | np.ndarray] = {}
@@ -256,6 +290,8 @@ class Restore:
         in_place = 0
         no_targets: list[Target] = []
         for name, entry in manifest.tensors.items():
+            if wanted is not None and name not in wanted:
+                continue
             candidates = targets.get(name, no_targets)
             if not candidates:  # the common case of a new tree: a fresh tensor, read into as it is
                 dest_t, view = fresh_tensor(entry.shape, torch_dtype(entry.dtype), entry.nbytes)
@@ -263,10 +299,14 @@ class Restore:
                 requests.append(ReadRequest(entry, view))
                 continue
             for t in candidates:
-                if t.strict and not fits(t.value, entry.dtype, entry.shape):
+                if fits(t.value, entry.dtype, entry.shape):
+                    continue
+                if casting and castable(t.value, entry.dtype, entry.shape):
+                    self.loaded.cast.append(t.path)
+                elif t.strict or tuple(t.value.shape) == entry.shape:  # a module's shapes: load_state_dict decides
                     raise StateMismatchError(
                         f"{t.path}: the live value is {_describe(t.value)} but step {manifest.step} holds "
-                        f"{entry.dtype}{list(entry.shape)}"
+                        f"{entry.dtype}{list(entry.shape)}{cast_hint(t.value, entry.dtype, entry.shape)}"
                     )
             dest: torch.Tensor | np.ndarray | None = None
             for t in candidates:
@@ -287,21 +327,40 @@ class Restore:
         self.ckpt.read(requests, executor=pool)
         values: dict[str, Any] = dests if not targets else {}
         cuda = False
-        for name, entry in manifest.tensors.items() if targets else ():
-            dest = dests[name]
+        for name, dest in dests.items() if targets else ():
+            entry = manifest.tensors[name]
             primary: Any = dest
             for t in targets.get(name, no_targets):
-                if t.value is dest or not fits(t.value, entry.dtype, entry.shape):
+                if t.value is dest:
                     continue
-                _copy_into(t.value, dest)
+                if fits(t.value, entry.dtype, entry.shape):
+                    _copy_into(t.value, dest)
+                elif casting and castable(t.value, entry.dtype, entry.shape):
+                    _cast_into(t.value, dest)
+                else:
+                    continue
                 cuda = cuda or (isinstance(t.value, torch.Tensor) and t.value.device.type == "cuda")
                 if primary is dest:
                     primary = t.value
             values[name] = primary
         if cuda:
             torch.cuda.synchronize()
-        result = fill_tree(saved, values) if self.into is None else apply_into(saved, self.into, values)
-        return result, manifest.total_bytes, in_place
+        if sel.dtype is not None:
+            self._to_dtype(values, targets, sel.dtype)
+        if self.into is None:
+            result = fill_tree(saved, values)
+        else:
+            result = apply_into(saved, self.into, values, load=Loader(self.strict, self.loaded))
+        return result, sum(r.entry.nbytes for r in requests), in_place
+
+    def _to_dtype(self, values: dict[str, Any], targets: dict[str, list[Target]], dtype: torch.dtype) -> None:
+        """``dtype=``: the floating-point tensors that land in no live tensor become ``dtype``."""
+        for name, value in values.items():
+            if name in targets or not isinstance(value, torch.Tensor):
+                continue
+            if value.dtype.is_floating_point and value.dtype != dtype:
+                values[name] = value.to(dtype)
+                self.loaded.cast.append(name)
 
 
 class _Intervals:
@@ -362,6 +421,14 @@ def _copy_into(target: torch.Tensor | np.ndarray, src: torch.Tensor | np.ndarray
     source = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
     with torch.no_grad():
         as_bits(target).copy_(as_bits(source), non_blocking=target.device.type == "cuda")
+
+
+def _cast_into(target: torch.Tensor | np.ndarray, src: torch.Tensor | np.ndarray) -> None:
+    """The opt-in dtype cast: a converting copy (the plain path copies bits); ``castable`` chose a tensor."""
+    assert isinstance(target, torch.Tensor)
+    source = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
+    with torch.no_grad():
+        target.copy_(source, non_blocking=target.device.type == "cuda")
 
 
 def _describe(value: torch.Tensor | np.ndarray) -> str:

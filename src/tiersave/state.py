@@ -445,17 +445,23 @@ def fill_tree(saved: Any, values: dict[str, Any]) -> Any:
     return saved
 
 
-def apply_into(saved: Any, into: Any, values: dict[str, Any], path: str = "") -> Any:
+def _load(obj: Any, state: Any, path: str) -> None:
+    obj.load_state_dict(state)
+
+
+def apply_into(
+    saved: Any, into: Any, values: dict[str, Any], path: str = "", load: Callable[[Any, Any, str], None] = _load
+) -> Any:
     """Load the restored tree into ``into`` in place and return the merged object.
 
     Stateful objects get ``load_state_dict`` with their restored state (also when the checkpoint holds
-    a plain state dict, e.g. saved from ``model.state_dict()``); dicts and lists are updated in place;
-    tensors already hold their data (they were read or copied into before this runs).
+    a plain state dict, e.g. saved from ``model.state_dict()``), through ``load(obj, state, path)``; dicts and
+    lists are updated in place; tensors already hold their data (they were read or copied into before this runs).
     """
     if is_stateful(into) and not isinstance(saved, _Ref):
         state = fill_tree(saved.state if isinstance(saved, _StatefulNode) else saved, values)
         try:
-            into.load_state_dict(state)
+            load(into, state, path)
         except Exception as exc:  # the object's own validation (shape mismatch, missing keys)
             raise StateMismatchError(
                 f"{path or 'state'}: {type(into).__name__}.load_state_dict rejected the checkpoint: {exc}"
@@ -466,15 +472,15 @@ def apply_into(saved: Any, into: Any, values: dict[str, Any], path: str = "") ->
             return into  # filled in place (or copied into) already
         return fill_tree(saved, values)
     if isinstance(saved, _StatefulNode):
-        return apply_into(saved.state, into, values, path)
+        return apply_into(saved.state, into, values, path, load)
     if isinstance(saved, dict) and isinstance(into, dict):
         for k, v in saved.items():
-            into[k] = apply_into(v, into[k], values, _path_join(path, k)) if k in into else fill_tree(v, values)
+            into[k] = apply_into(v, into[k], values, _path_join(path, k), load) if k in into else fill_tree(v, values)
         return into
     if isinstance(saved, list) and isinstance(into, list) and len(saved) == len(into):
         for i, v in enumerate(saved):
-            into[i] = apply_into(v, into[i], values, _path_join(path, i))
+            into[i] = apply_into(v, into[i], values, _path_join(path, i), load)
         return into
     if isinstance(saved, tuple) and isinstance(into, tuple) and len(saved) == len(into):
-        return tuple(apply_into(v, lv, values, _path_join(path, i)) for i, (v, lv) in enumerate(zip(saved, into)))
+        return tuple(apply_into(v, lv, values, _path_join(path, i), load) for i, (v, lv) in enumerate(zip(saved, into)))
     return fill_tree(saved, values)

@@ -8,7 +8,7 @@ The folders are the layers (docs/architecture.md); dependencies point down this 
     planner       planner/ (no torch, no I/O): only the leaves below
     engine        engine/: moves tensor bytes between a state tree and the Storage protocol
     storage       storage/: backends, knowing nothing of checkpoints
-    state         state, rng: state trees <-> items
+    state         state, rng, partial: state trees <-> items
     format        format/: pure data, imports only errors and the version
     leaf          errors, _version, units, knobs, events, _crash, _futures, _lifecycle
 
@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("format", ("tiersave.format",)),
-    ("state", ("tiersave.state", "tiersave.rng")),
+    ("state", ("tiersave.state", "tiersave.rng", "tiersave.partial")),
     ("storage", ("tiersave.storage",)),
     ("engine", ("tiersave.engine",)),
     ("planner", ("tiersave.planner",)),
