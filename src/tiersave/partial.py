@@ -42,11 +42,10 @@ class Selection:
     @classmethod
     def of(cls, keys: str | Sequence[str] | None, cast: bool, dtype: Any) -> Selection:
         """Validate ``restore()``'s ``keys``, ``cast`` and ``dtype`` arguments."""
-        if isinstance(keys, str):
-            keys = [keys]
+        paths: tuple[Any, ...] | None = None
         if keys is not None:
-            keys = tuple(keys)
-            if not keys or not all(isinstance(k, str) and k and not k.startswith(".") for k in keys):
+            paths = (keys,) if not isinstance(keys, (list, tuple)) else tuple(keys)
+            if not paths or not all(isinstance(k, str) and k and not k.startswith(".") for k in paths):
                 raise ConfigError(
                     f"keys must be a non-empty list of paths such as 'model' or 'model.encoder', got {keys!r}"
                 )
@@ -54,7 +53,7 @@ class Selection:
             raise ConfigError(f"cast must be True or False, got {cast!r}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ConfigError(f"dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
-        return cls(keys, cast, dtype)
+        return cls(paths, cast, dtype)
 
     @property
     def casting(self) -> bool:

@@ -117,7 +117,7 @@ def test_keys_select_a_subtree_without_into(saved):
     with pytest.raises(tiersave.StateMismatchError, match=r"step 1 has no 'model.decoder' \(its top-level keys: model"):
         ckpt.restore(keys=["model.decoder"])
     assert storage.bytes_read == before
-    for bad in ([], [""], [3], ".model"):
+    for bad in ([], [""], [3], ".model", 3, {"model"}):
         with pytest.raises(tiersave.ConfigError, match="keys must be"):
             ckpt.restore(keys=bad)
 
