@@ -164,21 +164,12 @@ def restore_from(
                     )
                     continue
                 location = tier.catalog.location(candidate)
-                loaded = job.loaded
                 report = RestoreReport(
-                    candidate,
-                    location,
-                    nbytes,
-                    time.perf_counter() - start,
-                    in_place,
-                    skipped,
-                    tier.name,
-                    loaded.missing,
-                    loaded.unexpected,
-                    loaded.mismatched,
-                    loaded.cast,
+                    candidate, location, nbytes, time.perf_counter() - start, in_place, skipped, tier.name
                 )
-                loaded.log(candidate)
+                for what in ("missing", "unexpected", "mismatched", "cast"):  # what a partial restore left out
+                    setattr(report, what, getattr(job.loaded, what))
+                job.loaded.log(candidate)
                 return result, report
         if not vanished:
             break
