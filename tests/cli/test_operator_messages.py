@@ -1,0 +1,56 @@
+"""What an operator sees on a root that holds nothing, or step directories that are no checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import tiersave
+from tiersave.cli import main
+
+
+def test_ls_and_verify_on_a_root_with_nothing_committed_exit_1_saying_so(capsys, root):
+    assert main(["ls", str(root)]) == 1
+    assert f"no committed checkpoint in {root.as_uri()}" in capsys.readouterr().out
+    assert main(["ls", str(root), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["checkpoints"] == []
+    assert main(["verify", str(root)]) == 1
+    assert "no committed checkpoint" in capsys.readouterr().err
+    assert main(["verify", str(root), "--json"]) == 1
+    assert "ok" not in json.loads(capsys.readouterr().out)
+
+
+def test_restore_warns_once_naming_the_step_directories_it_skipped(root):
+    with tiersave.Checkpointer(root) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((2,), float(step))})
+    (root / "step-0000000003" / "manifest.json").unlink()  # damaged: the newest, without its manifest
+    shutil.copytree(root / "step-0000000001", root / "step-0000000009")  # made by hand...
+    (root / "step-0000000009" / "manifest.json").unlink()  # ...and incomplete
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = tiersave.Checkpointer(root).restore()
+    assert torch.equal(state["w"], torch.full((2,), 2.0))  # the newest real checkpoint
+    ours = [w for w in caught if issubclass(w.category, tiersave.TiersaveWarning)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    message = str(ours[0].message)
+    assert "2 damaged step directories" in message
+    assert f"{root.as_uri()}/step-0000000003" in message and f"{root.as_uri()}/step-0000000009" in message
+
+
+def test_restore_of_a_clean_root_warns_nothing(root):
+    with tiersave.Checkpointer(root) as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiersave.Checkpointer(root).restore()
+
+
+@pytest.mark.parametrize("argv", [["ls"], ["verify"]])
+def test_a_typo_in_the_root_is_an_error_not_an_empty_listing(capsys, tmp_path, argv):
+    assert main([*argv, str(tmp_path / "no-such-run")]) == 1
+    assert "does not exist" in capsys.readouterr().err
