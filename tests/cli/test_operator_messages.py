@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tiersave
+import tiersave.cli
 from tiersave.cli import main
 
 
@@ -54,3 +55,29 @@ def test_restore_of_a_clean_root_warns_nothing(root):
 def test_a_typo_in_the_root_is_an_error_not_an_empty_listing(capsys, tmp_path, argv):
     assert main([*argv, str(tmp_path / "no-such-run")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_stats_plot_puts_each_run_on_its_own_axis(root, tmp_path, capsys):
+    from tiersave.cli.stats_cmd import split_runs
+
+    with tiersave.Checkpointer(root) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.ones(2)})
+    with tiersave.Checkpointer(root) as ckpt:  # a resumed run saves steps it saved before: a new run
+        ckpt.prune(keep_last=1)
+        for step in (4, 5):
+            ckpt.save(step, {"w": torch.ones(2)})
+    from tiersave.events import EVENTS_NAME, read_events
+
+    runs = split_runs(read_events(root / EVENTS_NAME))
+    assert [[e["step"] for e in run] for run in runs] == [[1, 2, 3, 4, 5]]  # steps went on: one run
+    t = 1.7e9
+    events = [{"step": s, "outcome": "committed", "time": t + s, "blocked_s": 0.001} for s in (1, 2, 3)]
+    events += [{"step": 2, "tier": "s3", "outcome": "drained", "time": t + 2.5}]  # a drain is not a save
+    events += [{"step": s, "outcome": "committed", "time": t + 10 + s, "blocked_s": 0.002} for s in (2, 3)]
+    events += [{"step": 9, "outcome": "committed", "time": t + 9000, "blocked_s": 0.002}]  # hours later
+    assert [[e["step"] for e in run] for run in split_runs(events)] == [[1, 2, 3], [2, 3], [9]]
+    png = tmp_path / "blocked.png"
+    assert tiersave.cli.main(["stats", str(root), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {png}" in capsys.readouterr().out
