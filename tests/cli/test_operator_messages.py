@@ -81,3 +81,52 @@ def test_stats_plot_puts_each_run_on_its_own_axis(root, tmp_path, capsys):
     assert tiersave.cli.main(["stats", str(root), "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote {png}" in capsys.readouterr().out
+
+
+def _cli_stderr(argv: list[str], *, tty: bool) -> str:
+    """Run the CLI in a child process with its stderr on a pseudo-terminal (tty) or a pipe; its stderr."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "tiersave.cli", *argv]
+    if not tty:
+        done = subprocess.run(cmd, capture_output=True, env=env, timeout=120, check=True)
+        return done.stderr.decode()
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=slave, env=env)
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        os.close(master)
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.fixture
+def sizable(root):
+    with tiersave.Checkpointer(root) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3 << 20)})  # 12 MiB
+    return root
+
+
+def test_verify_and_copy_show_byte_progress_on_a_terminal_only(sizable, tmp_path):
+    for argv in (["verify", str(sizable)], ["copy", str(sizable), str(tmp_path / "copy")]):
+        shown = _cli_stderr(argv, tty=True)
+        total = "24.00 MiB" if argv[0] == "copy" else "12.00 MiB"  # copy counts the write and the read back
+        assert "\rstep 1 [" in shown and f"{total} / {total} 100%" in shown, shown
+        assert "step 1 [" not in _cli_stderr([*argv[:1], "--json", *argv[1:]], tty=True)  # --json: nothing extra
+        if argv[0] == "copy":
+            (tmp_path / "copy" / "step-0000000001").rename(tmp_path / "copy" / "step-0000000001.trash-x")
+        assert "step 1 [" not in _cli_stderr(argv, tty=False)  # piped: no bar

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError
 from ..units import human_bytes, table
-from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag
+from ._common import EXIT_FAILURE, EXIT_OK, ByteProgress, Output, add_json_flag
 
 
 def register(sub: Any) -> None:
@@ -261,7 +261,11 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
     reports = []
     for step in chosen:
         out.progress(f"verifying step {step} ...")
-        reports.append(catalog.verify(step))
+        bar = ByteProgress(out, f"step {step}")
+        try:
+            reports.append(catalog.verify(step, progress=bar.update))
+        finally:
+            bar.close()
     lines = []
     for r in reports:
         rate = r.bytes_checked / r.seconds / 1e9 if r.seconds > 0 else 0.0
