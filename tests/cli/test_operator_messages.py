@@ -121,8 +121,9 @@ def sizable(root):
     return root
 
 
-def test_verify_and_copy_show_byte_progress_on_a_terminal_only(sizable, tmp_path):
-    for argv in (["verify", str(sizable)], ["copy", str(sizable), str(tmp_path / "copy")]):
+def test_verify_copy_and_export_show_byte_progress_on_a_terminal_only(sizable, tmp_path):
+    export = ["export", str(sizable), "--to", str(tmp_path / "w.safetensors"), "--force"]
+    for argv in (["verify", str(sizable)], ["copy", str(sizable), str(tmp_path / "copy")], export):
         shown = _cli_stderr(argv, tty=True)
         total = "24.00 MiB" if argv[0] == "copy" else "12.00 MiB"  # copy counts the write and the read back
         assert "\rstep 1 [" in shown and f"{total} / {total} 100%" in shown, shown
