@@ -10,7 +10,7 @@ Checkpointer decides: the process, or the rank, that commits), checkpoints and t
 Two writers on one root would each delete the other's checkpoints by retention and be acknowledged
 the same steps with different contents, so the second live writer is refused with
 :class:`~tiersave.errors.WriterLockedError` naming the holder. A lock left by a writer that died is
-taken over with a note (a warning and a log line). Readers never take a lock.
+taken over with a note (a log warning, and the lock's ``note``). Readers never take a lock.
 
 The lock is advisory: it protects against a second tiersave writer, not against someone deleting
 files by hand. ``TIERSAVE_WRITER_LOCK=0`` (or ``Checkpointer(writer_lock=False)``) turns it off for
@@ -25,12 +25,11 @@ import logging
 import os
 import socket
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import TiersaveWarning, WriterLockedError
+from ..errors import WriterLockedError
 from ..format.layout import new_token
 from .base import Storage
 
@@ -148,6 +147,8 @@ class WriterLock(Protocol):
 
     uri: str
     holder: LockHolder
+    note: str | None
+    """Set when this lock was taken over from a writer that ended without releasing it."""
 
     def check(self) -> None:
         """Raise :class:`WriterLockedError` if the lock was lost (a lease that expired and was taken)."""
@@ -174,11 +175,12 @@ def refused(uri: str, holder: LockHolder | None, detail: str = "") -> WriterLock
     )
 
 
-def taken_over_note(uri: str, previous: LockHolder, why: str) -> None:
-    """Report a stale lock taken over (a warning and a log line): its writer died or stopped renewing."""
-    message = f"tiersave: took over the writer lock of {uri} left by {previous.describe()} ({why})"
-    log.warning("%s", message)
-    warnings.warn(message, TiersaveWarning, stacklevel=4)
+def taken_over_note(uri: str, previous: LockHolder, why: str) -> str:
+    """Report a stale lock taken over, as a log warning (not a Python warning: every job resumed after a
+    crash or a preemption takes one over, and that is the normal path). Returns the note."""
+    message = f"took over the writer lock of {uri} left by {previous.describe()} ({why})"
+    log.warning("tiersave: %s", message)
+    return message
 
 
 def hold_writer_locks(storages: Iterable[Storage]) -> list[WriterLock]:

@@ -66,10 +66,11 @@ class FileWriterLock:
             os.close(self._fd)
             self._fd = None
             raise
+        self.note: str | None = None
         if previous is not None:  # a clean release empties the file: this writer ended without releasing
             alive = previous.alive()
             why = "that process is no longer running" if alive is False else "it no longer holds the lock"
-            taken_over_note(uri, previous, why)
+            self.note = taken_over_note(uri, previous, why)
 
     def _read(self) -> bytes:
         assert self._fd is not None

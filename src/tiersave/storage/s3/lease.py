@@ -13,7 +13,10 @@ its time to live (``TIERSAVE_LEASE_TTL_S``, default 60 s):
 - **Expiry**: a lease whose object was last written (the store's own ``Last-Modified``, so the holder's
   clock does not matter) longer than its time to live ago, or whose holder ran on this host and is
   gone, is stale: it is deleted, created anew (create-only again, so of two successors one wins) and
-  the takeover is reported with a note.
+  the takeover is reported with a note. A lease that is not yet stale is watched for at most its time to
+  live: renewed meanwhile, its writer lives and the new writer is refused (within one heartbeat);
+  not renewed, it expires and is taken over, so a job restarted right after its predecessor died on
+  another node goes on instead of failing.
 - **Releasing** deletes the lease after reading back that it is still this writer's.
 
 Anti-scope: file systems (``flock``, :mod:`tiersave.storage.posix.lock`); who takes the lock. Uses only
@@ -61,6 +64,7 @@ class Lease:
         ttl = float(ttl_s if ttl_s is not None else lease_ttl_s())
         self.holder = LockHolder.mine(ttl)
         self._lost: str | None = None
+        self.note: str | None = None
         self._stop = threading.Event()
         self._take()
         self._renewed = time.monotonic()
@@ -68,31 +72,50 @@ class Lease:
         self._thread.start()
 
     def _take(self) -> None:
-        for _ in range(3):  # bounded: each round either takes the lease, refuses, or removes a stale one
+        for _ in range(3):  # bounded: each round takes the lease, refuses, or removes a stale one
             try:
                 self.storage.put(LOCK_NAME, self.holder.to_bytes(), mode="create")
                 return
             except AlreadyExistsError:
                 pass
-            try:
-                info = self.storage.head(LOCK_NAME)
-                current = LockHolder.parse(self.storage.get(LOCK_NAME, max_bytes=MAX_LOCK_BYTES))
-            except ObjectNotFoundError:
+            found = self._current()
+            if found is None:
                 continue  # released meanwhile: try to create it again
-            ttl = current.ttl_s if current is not None and current.ttl_s > 0 else self.holder.ttl_s
-            age = time.time() - info.mtime
-            alive = current.alive() if current is not None else None
-            if alive is False:
-                why = "that process is no longer running"
-            elif age > ttl:
-                why = f"not renewed for {age:.0f} s, its time to live is {ttl:.0f} s"
-            else:
-                expires = f"; it expires {ttl - age:.0f} s after its holder stops renewing it"
-                raise refused(self.uri, current, expires)
+            current, why = self._wait_stale(*found)
             self.storage.delete(LOCK_NAME)
             if current is not None:
-                taken_over_note(self.uri, current, why)
+                self.note = taken_over_note(self.uri, current, why)
         raise refused(self.uri, None, " (the lease changed hands while it was being taken; try again)")
+
+    def _current(self) -> tuple[LockHolder | None, float] | None:
+        """The lease's holder and the store's time of its last write; None if there is no lease."""
+        try:
+            mtime = self.storage.head(LOCK_NAME).mtime
+            return LockHolder.parse(self.storage.get(LOCK_NAME, max_bytes=MAX_LOCK_BYTES)), mtime
+        except ObjectNotFoundError:
+            return None
+
+    def _wait_stale(self, current: LockHolder | None, mtime: float) -> tuple[LockHolder | None, str]:
+        """Wait (at most the lease's time to live) until the lease is known stale, and say why; raise
+        WriterLockedError as soon as it is renewed, i.e. its writer lives.
+
+        Waiting instead of refusing at once lets a job restarted on another node right after its
+        predecessor died take the root over, while a live writer is still refused within a third of the
+        time to live (its next heartbeat)."""
+        ttl = current.ttl_s if current is not None and current.ttl_s > 0 else self.holder.ttl_s
+        while True:
+            if current is not None and current.alive() is False:
+                return current, "that process is no longer running"
+            age = time.time() - mtime
+            if age > ttl + 1.0:  # + the second resolution of Last-Modified
+                return current, f"not renewed for {age:.0f} s, its time to live is {ttl:.0f} s"
+            time.sleep(min(ttl + 1.5 - age, max(0.2, ttl / 6)))
+            found = self._current()
+            if found is None:
+                return current, "released while this writer waited"
+            if found[1] != mtime or (found[0] != current):
+                raise refused(self.uri, found[0], ", renewing its lease")
+            current, mtime = found
 
     def _read_back(self) -> LockHolder | None:
         try:
