@@ -19,8 +19,10 @@ S3_TEST_OPTIONS = {
 
 
 def listing(root: Path) -> list[str]:
-    """Names in a checkpoint root, without the save event log (tiersave-events.jsonl)."""
-    return sorted(p.name for p in root.iterdir() if not p.name.startswith("tiersave-events"))
+    """Names in a checkpoint root, without the save event log (tiersave-events.jsonl) and the writer lock."""
+    return sorted(
+        p.name for p in root.iterdir() if p.name != "tiersave-writer.lock" and not p.name.startswith("tiersave-events")
+    )
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -338,8 +338,12 @@ class Catalog:
     def open(self, step: int) -> OpenCheckpoint:
         return OpenCheckpoint(self.storage, self.manifest(step), step_dirname(step))
 
-    def verify(self, step: int, *, executor: Executor | None = None) -> VerifyReport:
-        """Read every byte of ``step``: tensor chunks against their checksums, padding must be zero."""
+    def verify(
+        self, step: int, *, executor: Executor | None = None, progress: Callable[[int, int], None] | None = None
+    ) -> VerifyReport:
+        """Read every byte of ``step``: tensor chunks against their checksums, padding must be zero.
+
+        ``progress(bytes_checked, tensor_bytes)`` is called after each batch of reads (at most 256 MiB)."""
         start = time.perf_counter()
         errors: list[str] = []
         checked = 0
@@ -373,7 +377,11 @@ class Catalog:
                     if pending > (256 << 20):  # verify in bounded memory
                         checked += self._verify_batch(ckpt, requests, pool, errors)
                         requests, pending = [], 0
+                        if progress is not None:
+                            progress(checked, m.total_bytes)
                 checked += self._verify_batch(ckpt, requests, pool, errors)
+                if progress is not None:
+                    progress(checked, m.total_bytes)
                 if not errors:
                     checked += self._verify_padding(ckpt, errors)
         finally:

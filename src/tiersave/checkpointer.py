@@ -52,6 +52,7 @@ from .policy import RetentionPolicy
 from .restore import RestoreReport, restore_from
 from .saving import PendingSave, Saver, SaveRequest
 from .storage.base import Storage
+from .storage.lock import RootLocks
 from .tiers import Tier, TierChain, to_policy
 
 __all__ = ["Checkpointer"]
@@ -82,6 +83,9 @@ class Checkpointer:
             coordination runs on a gloo group of its own, never the training's; pass a gloo group to use it.
         coordination_timeout_s: how long a collective save or restore waits for the other ranks before it
             fails with ``DistributedCheckpointError`` naming the ranks that did not answer.
+        writer_lock: hold each tier's writer lock from the first save, ``prune`` or ``prepare`` until ``close()``
+            (rank 0 only), so a second live writer of a root gets ``WriterLockedError`` naming this one; a
+            restore never takes it. False (or ``TIERSAVE_WRITER_LOCK=0``): docs/guarantees.md.
 
     Thread safety: one thread calls ``save``/``restore`` at a time; listing methods may be called from
     any thread. Use as a context manager or call ``close()``.
@@ -104,6 +108,7 @@ class Checkpointer:
         event_log: bool = True,
         process_group: Any = None,
         coordination_timeout_s: float = 600.0,
+        writer_lock: bool = True,
     ) -> None:
         threads, chunk = _check_options(keep_last, io_threads, chunk_bytes, max_shard_bytes, on_busy, exit_timeout_s)
         self._collective = join(process_group, coordination_timeout_s)
@@ -141,6 +146,7 @@ class Checkpointer:
             group=self._collective.group if self._collective is not None else None,
         )
         self._lock = threading.Lock()
+        self._roots = RootLocks(lambda: (t.storage for t in self._chain.tiers), enabled=writer_lock and not self._rank)
         self._last: SaveHandle | None = None
         self._inflight: SaveHandle | None = None
         self._closed = False
@@ -170,8 +176,9 @@ class Checkpointer:
         self._pool.shutdown(wait=finished)
         self._chain.shutdown(wait=finished)
         self._saver.close(release_memory=finished)
-        if finished:
-            self._raise_unobserved()
+        if finished:  # an unfinished save keeps the writer locks until the process ends
+            self._roots.release()
+            _raise_unobserved(self._last)
         else:
             pending = self._inflight
             warnings.warn(
@@ -273,6 +280,7 @@ class Checkpointer:
             raise ConfigError(f"keep_last must be a positive integer, got {keep_last!r}")
         if (keep_last is None) == (policy is None):
             raise ConfigError("give prune() either keep_last or policy")
+        self._roots.hold()
         return self._chain.prune(to_policy(keep_last if policy is None else policy), tier=tier)
 
     def prepare(self, state: Any) -> None:
@@ -282,6 +290,7 @@ class Checkpointer:
         Optional: without it the first save is slower than the rest (about 1.5 s per GB of state here).
         """
         self._check_open()
+        self._roots.hold()
         self._saver.prepare(state)
         self._chain.calibrate()
 
@@ -350,7 +359,7 @@ class Checkpointer:
                 and a save is in flight.
         """
         self._check_open()
-        self._raise_unobserved()
+        _raise_unobserved(self._last)
         request = SaveRequest.validate(step, metrics, tags, metadata)
         started, started_wall, started_mono = time.perf_counter(), time.time(), time.monotonic()
         previous = self._inflight
@@ -361,15 +370,19 @@ class Checkpointer:
             if self.on_busy == "raise":
                 raise SaveError(f"the save of step {previous.step} is still being written (on_busy='raise')")
             previous.wait()
-            self._raise_unobserved()
+            _raise_unobserved(self._last)
         handle = SaveHandle(request.step)
         with self._lock:
             self._last = handle
             self._inflight = handle
         token = self._collective.next_token() if self._collective is not None else None
         try:
+            self._roots.hold()  # refused: this save fails here (the collective's other ranks by the vote below)
             pending = self._saver.stage(handle, request, state, started, started_wall, blocking, token)
         except BaseException as exc:
+            if not handle.done():
+                handle._set_error(exc)
+                handle._observed = True
             if self._collective is not None:  # the other ranks learn of it at once, not at their timeout
                 self._committer.submit(self._saver.vote_no, request.step, exc, self._saver.abandoned_prefix)
             raise
@@ -397,15 +410,6 @@ class Checkpointer:
             return
         if pending.info is not None:  # another rank: rank 0 committed the global manifest and described it
             pending.handle._set_result(pending.info)
-
-    def _raise_unobserved(self) -> None:
-        last = self._last
-        if last is None:
-            return
-        err = last._unobserved_error()
-        if err is not None:
-            last._observed = True
-            raise SaveError(f"the save of step {last.step} failed and nobody observed it: {err}") from err
 
     # -- restore ----------------------------------------------------------------------------------
 
@@ -485,6 +489,16 @@ def _check_options(
     if not exit_timeout_s >= 0:
         raise ConfigError(f"exit_timeout_s must be >= 0, got {exit_timeout_s!r}")
     return threads, chunk
+
+
+def _raise_unobserved(last: SaveHandle | None) -> None:
+    """Raise the error of the last save if it failed in the background and nobody observed it."""
+    if last is None:
+        return
+    err = last._unobserved_error()
+    if err is not None:
+        last._observed = True
+        raise SaveError(f"the save of step {last.step} failed and nobody observed it: {err}") from err
 
 
 def _skip(chain: TierChain, step: int, busy_step: int, skipped: int, started_wall: float) -> SaveHandle:

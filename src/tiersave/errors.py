@@ -21,7 +21,8 @@ working::
     │   └── UnsupportedFormatVersionError         written by an incompatible (newer major) format version
     ├── CheckpointNotFoundError(LookupError)   no committed checkpoint matches the request
     ├── SaveError                              a save did not complete; nothing of it became visible
-    │   └── SaveTimeoutError(TimeoutError)
+    │   ├── SaveTimeoutError(TimeoutError)
+    │   └── WriterLockedError                 another live writer holds the root's writer lock; .uri, .holder
     └── DistributedCheckpointError             per-rank failures in .failures
 
 Warnings use :class:`TiersaveWarning`.
@@ -52,6 +53,7 @@ __all__ = [
     "TransientStorageError",
     "UnsupportedFormatVersionError",
     "UnsupportedStateError",
+    "WriterLockedError",
     "storage_error_from_os",
 ]
 
@@ -182,6 +184,20 @@ class SaveError(TiersaveError):
 
 class SaveTimeoutError(SaveError, TimeoutError):
     """Waiting for a save exceeded the given timeout (the save itself may still complete)."""
+
+
+class WriterLockedError(SaveError):
+    """Another live writer holds this root's writer lock (docs/guarantees.md, "One writer per root").
+
+    Attributes:
+        uri: the root.
+        holder: ``{"host", "pid", "since"}`` of the writer holding it, or None when the lock names nobody.
+    """
+
+    def __init__(self, message: str, *, uri: str = "", holder: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.uri = uri
+        self.holder = holder
 
 
 class DistributedCheckpointError(TiersaveError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ def export_safetensors(
     prefix: str = "",
     skip_unsupported: bool = False,
     overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ExportResult:
     """Write the tensors of ``step`` whose names start with ``prefix`` to ``dest`` as safetensors.
 
@@ -50,6 +52,7 @@ def export_safetensors(
             under the names ``model.state_dict()`` uses).
         skip_unsupported: leave out tensors whose dtype safetensors cannot represent instead of failing.
         overwrite: replace an existing ``dest``.
+        progress: called with ``(bytes_written, bytes_total)`` after each batch of reads (at most 256 MiB).
 
     Raises:
         ConfigError: nothing selected, an unsupported dtype, or ``dest`` exists.
@@ -101,7 +104,7 @@ def export_safetensors(
             batch: list[ReadRequest] = []
             buffers: list[bytearray] = []
 
-            pending = [0]
+            pending = [0, 0]  # bytes in this batch, bytes written
 
             def flush() -> None:
                 ckpt.read(batch, executor=pool)
@@ -109,7 +112,10 @@ def export_safetensors(
                     f.write(buf)
                 batch.clear()
                 buffers.clear()
+                pending[1] += pending[0]
                 pending[0] = 0
+                if progress is not None:
+                    progress(pending[1], cursor)
 
             for _, _, entry in selected:
                 buf = bytearray(entry.nbytes)

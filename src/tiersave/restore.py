@@ -118,6 +118,8 @@ def restore_from(
     world_size = collective.world_size if collective is not None else 1
     rank = collective.rank if collective is not None else rank
     start = time.perf_counter()
+    if group is None or group.is_coordinator:
+        _warn_damaged(chain)
     skipped: list[tuple[int, str]] = []
     last_error: TiersaveError | None = None
     for _ in range(_MAX_RELISTS):
@@ -182,6 +184,19 @@ def restore_from(
     raise CorruptCheckpointError(
         "no usable checkpoint: every candidate failed: " + "; ".join(f"step {s} {why}" for s, why in skipped)
     ) from last_error
+
+
+def _warn_damaged(chain: TierChain) -> None:
+    """Warn once per restore about step directories that are no checkpoint (no manifest) and were skipped:
+    a person should look at them (a damaged disk, a copy made by hand), and nothing removes them."""
+    damaged = [f"{t.storage.uri.rstrip('/')}/{name}" for t in chain.tiers for name in t.catalog.damaged()]
+    if damaged:
+        warnings.warn(
+            f"restore skipped {len(damaged)} damaged step director{'y' if len(damaged) == 1 else 'ies'} without a "
+            f"manifest (not checkpoints; nothing removes them): {', '.join(damaged)}",
+            TiersaveWarning,
+            stacklevel=4,
+        )
 
 
 _MAX_RELISTS = 8

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
+
+from ..units import human_bytes
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -32,6 +36,51 @@ class Output:
         if sys.stderr.isatty() or not self.json:
             sys.stderr.write(message + "\n")
             sys.stderr.flush()
+
+
+class ByteProgress:
+    """A one-line byte progress bar on stderr for long reads and copies (``verify``, ``copy``).
+
+    Shown only when stderr is a terminal and the output is not ``--json``: a pipe or a log file gets
+    nothing extra. Redrawn at most ten times a second, in place (carriage return); :meth:`close` ends the
+    line. ``update`` may be called from several threads.
+    """
+
+    def __init__(self, out: Output, label: str, *, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = not out.json and self.stream.isatty()
+        self.label = label
+        self._lock = threading.Lock()
+        self._start = time.monotonic()
+        self._drawn = 0.0
+        self._shown = False
+
+    def update(self, done: int, total: int) -> None:
+        """Show ``done`` of ``total`` bytes."""
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now - self._drawn < 0.1 and done < total:
+                return
+            self._drawn = now
+            frac = min(1.0, done / total) if total > 0 else 1.0
+            bar = "#" * int(24 * frac)
+            rate = done / max(now - self._start, 1e-6)
+            self.stream.write(
+                f"\r{self.label} [{bar:.<24}] {human_bytes(done)} / {human_bytes(total)} {100 * frac:3.0f}% "
+                f"{human_bytes(int(rate))}/s\x1b[K"
+            )
+            self.stream.flush()
+            self._shown = True
+
+    def close(self) -> None:
+        """End the bar's line (nothing when it was never shown)."""
+        with self._lock:
+            if self._shown:
+                self.stream.write("\n")
+                self.stream.flush()
+                self._shown = False
 
 
 def positive_int(text: str) -> int:

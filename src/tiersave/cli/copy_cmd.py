@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from ..units import human_bytes, table
-from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, positive_int, report_error
+from ._common import EXIT_FAILURE, EXIT_OK, ByteProgress, Output, add_json_flag, positive_int, report_error
 
 
 def _bytes(text: str) -> int:
@@ -71,6 +71,7 @@ def _copy(args: argparse.Namespace, out: Output) -> int:
         results: list[CopyResult] = []
         started = time.perf_counter()
         for step in steps:
+            bar = ByteProgress(out, f"step {step}")
             try:
                 result = copy_checkpoint(
                     src,
@@ -80,10 +81,13 @@ def _copy(args: argparse.Namespace, out: Output) -> int:
                     read_back=not args.no_verify,
                     io_threads=args.threads,
                     buffer_bytes=args.buffer,
+                    progress=bar.update,
                 )
             except Exception as exc:
+                bar.close()
                 _emit(out, src.uri, dst.uri, results, time.perf_counter() - started, failed=(step, exc))
                 return EXIT_FAILURE
+            bar.close()
             results.append(result)
             verb = "already there" if result.skipped else "copied"
             out.progress(f"step {step}: {verb} ({human_bytes(result.stored_bytes)})")

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from ..units import human_bytes
-from ._common import EXIT_OK, Output, add_json_flag
+from ._common import EXIT_OK, ByteProgress, Output, add_json_flag
 
 
 def register(sub: Any) -> None:
@@ -40,14 +40,19 @@ def _export(args: argparse.Namespace, out: Output) -> int:
     step = catalog.find(args.step, args.tag)[0]
     if _is_dcp(catalog, step):
         return _export_dcp(args, out, step)
-    result = export_safetensors(
-        catalog,
-        step,
-        args.dest,
-        prefix=args.prefix,
-        skip_unsupported=args.skip_unsupported,
-        overwrite=args.force,
-    )
+    bar = ByteProgress(out, f"step {step}")
+    try:
+        result = export_safetensors(
+            catalog,
+            step,
+            args.dest,
+            prefix=args.prefix,
+            skip_unsupported=args.skip_unsupported,
+            overwrite=args.force,
+            progress=bar.update,
+        )
+    finally:
+        bar.close()
     text = f"exported {result.tensors} tensors ({human_bytes(result.bytes)}) of step {step} to {result.path}"
     if result.skipped:
         text += (

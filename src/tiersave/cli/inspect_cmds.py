@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError
 from ..units import human_bytes, table
-from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag
+from ._common import EXIT_FAILURE, EXIT_OK, ByteProgress, Output, add_json_flag
 
 
 def register(sub: Any) -> None:
@@ -16,7 +16,7 @@ def register(sub: Any) -> None:
         "ls",
         help="list the checkpoints under one or more roots (tiers)",
         description="List committed checkpoints and leftovers of interrupted saves. With several roots (the "
-        "tiers of one run, fastest first), show which tiers hold which step.",
+        "tiers of one run, fastest first), show which tiers hold which step. Exit code 1 if nothing is committed.",
     )
     p.add_argument("root", nargs="+", help="checkpoint root: a path, file://, mem://NAME or s3://bucket/prefix")
     add_json_flag(p)
@@ -100,7 +100,7 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
         headers.pop(1)
         rows = [r[:1] + r[2:] for r in rows]
     where = ", ".join(c.storage.uri for c in catalogs)
-    text = table(headers, rows) if rows else f"no checkpoints in {where}"
+    text = table(headers, rows) if rows else f"no committed checkpoint in {where} (exit code 1)"
     if leftovers:
         text += "\n\nleftovers (removed by `tiersave prune`):\n" + "\n".join(
             f"  {x['root']}: {x['name']}  ({x['status']})" for x in leftovers
@@ -114,7 +114,7 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
     else:
         doc["roots"] = [{"name": n, "uri": c.storage.uri} for n, c in zip(names, catalogs)]
     out.emit(doc, text)
-    return EXIT_OK
+    return EXIT_OK if held else EXIT_FAILURE  # nothing committed: a typo in the root, or a run that never saved
 
 
 def _pick_step(catalog: Any, step: int | None, tag: str | None) -> int:
@@ -261,7 +261,11 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
     reports = []
     for step in chosen:
         out.progress(f"verifying step {step} ...")
-        reports.append(catalog.verify(step))
+        bar = ByteProgress(out, f"step {step}")
+        try:
+            reports.append(catalog.verify(step, progress=bar.update))
+        finally:
+            bar.close()
     lines = []
     for r in reports:
         rate = r.bytes_checked / r.seconds / 1e9 if r.seconds > 0 else 0.0

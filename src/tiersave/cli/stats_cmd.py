@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import itertools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,13 @@ def register(sub: Any) -> None:
         help="timings of past saves: blocked, staged, written, committed",
         description="Show the save event log of a checkpoint root (ROOT/tiersave-events.jsonl): for each save, "
         "the time training was blocked, staging, background writing, commit, bytes and throughput; "
-        "--plot draws a timeline PNG.",
+        "--plot draws, per run, a bar per save: the time training was blocked (log scale, ms) beside the whole save.",
     )
     p.add_argument("root")
     p.add_argument("--last", type=int, default=50, help="show the last N saves (default 50; 0 = all)")
-    p.add_argument("--plot", metavar="FILE", help="write a PNG timeline of the saves")
+    p.add_argument(
+        "--plot", metavar="FILE", help="write a PNG: per run, training blocked per save beside the save's duration"
+    )
     add_json_flag(p)
     p.set_defaults(handler=_stats)
 
@@ -92,8 +96,31 @@ def _stats(args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
 
 
+def split_runs(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The saves grouped by training run: a new run starts where the step goes back (a resume) or after a
+    pause much longer than the run's usual interval between saves (another job on the same root)."""
+    kinds = ("committed", "failed", "skipped")  # a save's own records; drains to later tiers are not saves
+    saves = [e for e in events if isinstance(e.get("time"), (int, float)) and e.get("outcome") in kinds]
+    runs: list[list[dict[str, Any]]] = []
+    for e in saves:
+        run = runs[-1] if runs else None
+        if run:
+            gaps = sorted(float(b["time"]) - float(a["time"]) for a, b in itertools.pairwise(run))
+            usual = gaps[len(gaps) // 2] if gaps else 0.0
+            gap = float(e["time"]) - float(run[-1]["time"])
+            went_back = isinstance(e.get("step"), int) and e["step"] <= run[-1].get("step", -1)
+            if went_back or gap < 0 or gap > max(600.0, 20 * usual):
+                run = None
+        if run is None:
+            runs.append([e])
+        else:
+            run.append(e)
+    return runs
+
+
 def plot_timeline(events: list[dict[str, Any]], path: str) -> None:
-    """One row per save on a wall-clock axis: blocked (training waits) then background (write, commit)."""
+    """How long training was blocked, per save: one panel per run, a bar per save on a log scale of
+    milliseconds (blocked in orange, the whole save's duration, in the background, beside it)."""
     from ..errors import BackendUnavailableError
 
     try:
@@ -103,20 +130,35 @@ def plot_timeline(events: list[dict[str, Any]], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise BackendUnavailableError("plots need matplotlib: pip install 'tiersave[bench]'") from None
-    saves = [e for e in events if "time" in e]
-    fig, ax = plt.subplots(figsize=(10, max(2.5, 0.3 * len(saves) + 1)))
-    t0 = min((float(e["time"]) for e in saves), default=0.0)
-    for row, e in enumerate(saves):
-        start = float(e["time"]) - t0
-        blocked = float(e.get("blocked_s", 0.0))
-        total = float(e.get("total_s", blocked))
-        color = {"committed": "tab:green", "failed": "tab:red", "skipped": "tab:gray"}.get(str(e.get("outcome")), "k")
-        ax.broken_barh([(start, max(blocked, 1e-4))], (row - 0.35, 0.7), color="tab:orange")
-        ax.broken_barh([(start + blocked, max(total - blocked, 0.0))], (row - 0.35, 0.7), color=color, alpha=0.6)
-    ax.set_yticks(range(len(saves)), [str(e.get("step")) for e in saves])
-    ax.set_xlabel("seconds since the first save shown")
-    ax.set_ylabel("step")
-    ax.set_title("tiersave saves: orange = training blocked, green = background write + commit, red = failed")
+    runs = split_runs(events) or [[]]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.8 * len(runs) + 0.6), squeeze=False)
+    for number, (ax, run) in enumerate(zip(axes[:, 0], runs), start=1):
+        xs = list(range(len(run)))
+        blocked = [max(1e3 * float(e.get("blocked_s", 0.0)), 1e-3) for e in run]
+        total = [max(1e3 * float(e.get("total_s", 0.0)), 1e-3) for e in run]
+        colors = ["tab:red" if e.get("outcome") == "failed" else "tab:orange" for e in run]
+        ax.bar([x - 0.2 for x in xs], blocked, width=0.4, color=colors, label="training blocked")
+        ax.bar([x + 0.2 for x in xs], total, width=0.4, color="tab:blue", alpha=0.45, label="whole save")
+        if len(run) <= 40:  # the number itself, readable even where the bar is a sliver
+            for x, e, b in zip(xs, run, blocked):
+                text = "skipped" if e.get("outcome") == "skipped" else f"{b:.3g}"
+                ax.annotate(
+                    text, (x - 0.2, b), ha="center", va="bottom", fontsize=7, textcoords="offset points", xytext=(0, 2)
+                )
+        ax.set_yscale("log")
+        ax.set_xticks(xs, [str(e.get("step", "?")) for e in run], fontsize=7, rotation=90 if len(run) > 30 else 0)
+        ax.set_ylabel("milliseconds (log)")
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(run[0]["time"]))) if run else "-"
+        failed = sum(e.get("outcome") == "failed" for e in run)
+        ax.set_title(
+            f"run {number}: {len(run)} saves from {started}, blocked median "
+            f"{sorted(blocked)[len(blocked) // 2] if run else 0:.3g} ms"
+            + (f", {failed} failed (red)" if failed else ""),
+            fontsize=9,
+        )
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    axes[-1, 0].set_xlabel("step (one save per bar pair)")
+    fig.suptitle("tiersave saves: how long training was blocked per save, and the whole save beside it")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

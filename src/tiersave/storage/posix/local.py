@@ -56,6 +56,7 @@ from .files import (
     unlink_quiet,
     write_all,
 )
+from .lock import FileWriterLock
 from .policy import IOMode, IOPolicy, IOStats, bounce_bytes, direct_min_bytes, io_mode_from_env, parse_io_mode
 from .safepath import DirWalk, clear_nonblock, open_regular_at, remove_tree_at
 from .trust import check_root
@@ -363,6 +364,14 @@ class LocalStorage:
                 fsync_dir(fd)
             finally:
                 os.close(fd)
+
+    def writer_lock(self) -> FileWriterLock:
+        """Take this root's writer lock (``flock`` on ``tiersave-writer.lock``; :mod:`tiersave.storage.lock`).
+
+        Raises:
+            WriterLockedError: another live writer holds it, named in the message.
+        """
+        return FileWriterLock(self._dirs, self.uri)
 
     def close(self) -> None:
         pass

@@ -42,6 +42,7 @@ Modules, one concern each:
 - ``store.py``: :class:`S3Storage`, the ``Storage`` protocol on the obstore client;
 - ``reader.py``: :class:`S3BlobReader`, ranged reads split into parallel GETs;
 - ``writer.py``: :class:`S3BlobWriter`, out-of-order writes -> one multipart upload with bounded memory;
+- ``lease.py``: :class:`Lease`, the writer lock of a bucket prefix (a lease object with a heartbeat);
 - ``control.py``: the SigV4-signed requests obstore lacks, and :class:`MultipartUpload`;
 - ``views.py``: flat byte views shared by the three data paths.
 """

@@ -34,6 +34,7 @@ from ...errors import (
 from ..base import ObjectInfo, PutMode, StorageCapabilities, check_key
 from .control import MultipartUpload, S3Control
 from .errors import error_summary, mapped_errors
+from .lease import Lease
 from .options import MAX_SINGLE_PUT_BYTES, S3Options
 from .reader import S3BlobReader
 from .views import byte_view
@@ -265,6 +266,14 @@ class S3Storage:
             self._control_client().abort_upload(upload.key, upload.upload_id)
             aborted.append(upload.key)
         return aborted
+
+    def writer_lock(self) -> Lease:
+        """Take this root's writer lock: a lease object with a heartbeat (:mod:`tiersave.storage.s3.lease`).
+
+        Raises:
+            WriterLockedError: another writer's unexpired lease holds it, named in the message.
+        """
+        return Lease(self)
 
     def create_bucket(self) -> None:
         """Create the bucket if it does not exist (for tests and first-time setup)."""

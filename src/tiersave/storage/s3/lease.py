@@ -1,0 +1,168 @@
+"""The writer lock of an object-store root: a lease object with a heartbeat and an expiry.
+
+Scope: :class:`Lease`, taken by :meth:`S3Storage.writer_lock`. Object stores have no lock, so the lock is
+an object, ``ROOT/tiersave-writer.lock``, naming its holder (host, pid, since when, a random token) and
+its time to live (``TIERSAVE_LEASE_TTL_S``, default 60 s):
+
+- **Taking it** is a create-only PUT (``If-None-Match: *``, specified by S3; the store answers 412 when the
+  object exists), so of two writers starting at once exactly one creates it.
+- **Holding it**: a heartbeat thread renews it every third of its time to live. Each renewal first reads
+  the lease back and checks that its token is still this writer's; a writer that finds a successor's
+  token (it was paused longer than the lease lasts) has lost the lock, and its next save fails with
+  :class:`~tiersave.errors.WriterLockedError` instead of writing beside the successor.
+- **Expiry**: a lease whose object was last written (the store's own ``Last-Modified``, so the holder's
+  clock does not matter) longer than its time to live ago, or whose holder ran on this host and is
+  gone, is stale: it is deleted, created anew (create-only again, so of two successors one wins) and
+  the takeover is reported with a note. A lease that is not yet stale is watched for at most its time to
+  live: renewed meanwhile, its writer lives and the new writer is refused (within one heartbeat);
+  not renewed, it expires and is taken over, so a job restarted right after its predecessor died on
+  another node goes on instead of failing.
+- **Releasing** deletes the lease after reading back that it is still this writer's.
+
+Anti-scope: file systems (``flock``, :mod:`tiersave.storage.posix.lock`); who takes the lock. Uses only
+the :class:`~tiersave.storage.base.Storage` protocol (create-only put, get, head, delete), so any backend
+with ``capabilities.conditional_put`` can hold one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ...errors import AlreadyExistsError, ObjectNotFoundError, StorageError, WriterLockedError
+from ...knobs import int_env
+from ..base import Storage
+from ..lock import LOCK_NAME, MAX_LOCK_BYTES, LockHolder, refused, taken_over_note
+
+__all__ = ["Lease", "lease_ttl_s"]
+
+log = logging.getLogger(__name__)
+
+_TTL_ENV = "TIERSAVE_LEASE_TTL_S"
+
+
+def lease_ttl_s() -> int:
+    """``TIERSAVE_LEASE_TTL_S``: how long a lease lasts without a heartbeat (default 60 s, 2 s to 1 h)."""
+    return int_env(_TTL_ENV, 60, 2, 3600)
+
+
+class Lease:
+    """A held lease on an object-store root, renewed by a daemon thread until :meth:`release`.
+
+    Args:
+        storage: the root (any storage with a create-only put).
+        ttl_s: the lease's time to live (None: ``TIERSAVE_LEASE_TTL_S``).
+
+    Raises:
+        WriterLockedError: a live (unexpired) lease of another writer holds the root.
+    """
+
+    def __init__(self, storage: Storage, *, ttl_s: float | None = None) -> None:
+        self.storage = storage
+        self.uri = storage.uri
+        ttl = float(ttl_s if ttl_s is not None else lease_ttl_s())
+        self.holder = LockHolder.mine(ttl)
+        self._lost: str | None = None
+        self.note: str | None = None
+        self._stop = threading.Event()
+        self._take()
+        self._renewed = time.monotonic()
+        self._thread = threading.Thread(target=self._heartbeat, name="tiersave-lease", daemon=True)
+        self._thread.start()
+
+    def _take(self) -> None:
+        for _ in range(3):  # bounded: each round takes the lease, refuses, or removes a stale one
+            try:
+                self.storage.put(LOCK_NAME, self.holder.to_bytes(), mode="create")
+                return
+            except AlreadyExistsError:
+                pass
+            found = self._current()
+            if found is None:
+                continue  # released meanwhile: try to create it again
+            current, why = self._wait_stale(*found)
+            self.storage.delete(LOCK_NAME)
+            if current is not None:
+                self.note = taken_over_note(self.uri, current, why)
+        raise refused(self.uri, None, " (the lease changed hands while it was being taken; try again)")
+
+    def _current(self) -> tuple[LockHolder | None, float] | None:
+        """The lease's holder and the store's time of its last write; None if there is no lease."""
+        try:
+            mtime = self.storage.head(LOCK_NAME).mtime
+            return LockHolder.parse(self.storage.get(LOCK_NAME, max_bytes=MAX_LOCK_BYTES)), mtime
+        except ObjectNotFoundError:
+            return None
+
+    def _wait_stale(self, current: LockHolder | None, mtime: float) -> tuple[LockHolder | None, str]:
+        """Wait (at most the lease's time to live) until the lease is known stale, and say why; raise
+        WriterLockedError as soon as it is renewed, i.e. its writer lives.
+
+        Waiting instead of refusing at once lets a job restarted on another node right after its
+        predecessor died take the root over, while a live writer is still refused within a third of the
+        time to live (its next heartbeat)."""
+        ttl = current.ttl_s if current is not None and current.ttl_s > 0 else self.holder.ttl_s
+        while True:
+            if current is not None and current.alive() is False:
+                return current, "that process is no longer running"
+            age = time.time() - mtime
+            if age > ttl + 1.0:  # + the second resolution of Last-Modified
+                return current, f"not renewed for {age:.0f} s, its time to live is {ttl:.0f} s"
+            time.sleep(min(ttl + 1.5 - age, max(0.2, ttl / 6)))
+            found = self._current()
+            if found is None:
+                return current, "released while this writer waited"
+            if found[1] != mtime or (found[0] != current):
+                raise refused(self.uri, found[0], ", renewing its lease")
+            current, mtime = found
+
+    def _read_back(self) -> LockHolder | None:
+        try:
+            return LockHolder.parse(self.storage.get(LOCK_NAME, max_bytes=MAX_LOCK_BYTES))
+        except ObjectNotFoundError:
+            return None
+
+    def _heartbeat(self) -> None:
+        interval = self.holder.ttl_s / 3
+        while not self._stop.wait(interval):
+            try:
+                current = self._read_back()
+                if current is None or current.token != self.holder.token:
+                    who = current.describe() if current is not None else "nobody (the lease object is gone)"
+                    self._lost = f"the lease was taken over by {who}"
+                    log.warning("tiersave: lost the writer lock of %s: %s", self.uri, self._lost)
+                    return
+                self.holder = self.holder.renew()
+                self.storage.put(LOCK_NAME, self.holder.to_bytes(), mode="overwrite")
+                self._renewed = time.monotonic()
+            except StorageError as exc:  # retried next beat; lost only once the lease may have expired
+                silent = time.monotonic() - self._renewed
+                log.warning("tiersave: could not renew the writer lock of %s: %s", self.uri, exc)
+                if silent > self.holder.ttl_s:
+                    self._lost = f"it could not be renewed for {silent:.0f} s (last error: {exc})"
+                    return
+
+    def check(self) -> None:
+        """Raise if the lease was lost (taken over, or not renewed within its time to live)."""
+        if self._lost is not None:
+            raise WriterLockedError(
+                f"this process no longer holds the writer lock of {self.uri}: {self._lost}; another writer may "
+                "be saving there, so this save is refused",
+                uri=self.uri,
+            )
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease if it is still this writer's. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=max(1.0, self.holder.ttl_s))
+        if self._lost is not None:
+            return
+        current = self._read_back()
+        if current is not None and current.token == self.holder.token:
+            self.storage.delete(LOCK_NAME)
+
+    def __repr__(self) -> str:
+        return f"Lease({self.uri!r}, {self.holder.describe()}, ttl {self.holder.ttl_s:.0f} s)"

@@ -1,0 +1,243 @@
+"""One writer per root: a second live writer is refused naming the holder; a dead writer's lock is taken over.
+
+Real processes (a writer in a child process, killed with SIGKILL where the test needs a dead writer), the
+real file system, /dev/shm and the real SeaweedFS S3 server. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiersave
+from tiersave.errors import WriterLockedError
+from tiersave.storage.lock import LOCK_NAME, LockHolder
+from tiersave.storage.memory import MemoryStorage
+from tiersave.storage.s3.lease import Lease
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+# The child saves step 1, writes READY, and stays alive (holding the lock) until killed or told to close.
+_WRITER = textwrap.dedent(
+    """
+    import os, sys, time, torch, tiersave
+    root, ready, done = sys.argv[1], sys.argv[2], sys.argv[3]
+    ckpt = tiersave.Checkpointer(root, handle_sigterm=False)
+    ckpt.save(1, {"w": torch.ones(4)})
+    open(ready, "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ckpt.close()
+    """
+)
+
+
+class Writer:
+    """A writer process holding ``root``'s lock until :meth:`finish` or :meth:`kill`."""
+
+    def __init__(self, root: str, tmp: Path, env: dict[str, str] | None = None) -> None:
+        self.ready, self.done = tmp / f"ready-{id(self)}", tmp / f"done-{id(self)}"
+        full_env = {**os.environ, **(env or {}), "PYTHONPATH": SRC}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, root, str(self.ready), str(self.done)],
+            env=full_env,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 60
+        while not self.ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"the writer did not start: {self.proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.05)
+
+    def finish(self) -> None:
+        self.done.touch()
+        assert self.proc.wait(timeout=60) == 0
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def cleanup() -> Any:
+    writers: list[Writer] = []
+    yield writers
+    for w in writers:
+        w.kill()
+
+
+def state() -> dict[str, Any]:
+    return {"w": torch.zeros(4)}
+
+
+def test_second_writer_in_another_process_is_refused_naming_the_holder(root, tmp_path, cleanup):
+    w = Writer(str(root), tmp_path)
+    cleanup.append(w)
+    with tiersave.Checkpointer(root) as ckpt:
+        with pytest.raises(WriterLockedError) as err:
+            ckpt.save(2, state())
+        message = str(err.value)
+        assert f"pid {w.proc.pid}" in message and socket.gethostname() in message and "since" in message
+        assert err.value.holder is not None and err.value.holder["pid"] == w.proc.pid
+        assert ckpt.list()[-1].step == 1  # nothing of the refused save is visible
+        # a reader never takes the lock: restoring while the writer lives works
+        assert torch.equal(ckpt.restore()["w"], torch.ones(4))
+    w.finish()
+    with tiersave.Checkpointer(root) as ckpt, warnings.catch_warnings():  # released: no note for the next writer
+        warnings.simplefilter("error")
+        ckpt.save(2, state())
+    assert (root / LOCK_NAME).read_bytes() == b""  # a clean release empties the lock file
+
+
+def test_second_checkpointer_in_the_same_process_is_refused(root):
+    first = tiersave.Checkpointer(root)
+    first.save(1, state())
+    second = tiersave.Checkpointer(root)
+    with pytest.raises(WriterLockedError, match=f"pid {os.getpid()}"):
+        second.save(2, state())
+    with pytest.raises(WriterLockedError):
+        second.prune(keep_last=1)  # retention is writing too
+    first.close()
+    second.save(2, state())
+    second.close()
+    assert [i.step for i in tiersave.Checkpointer(root).list()] == [1, 2]
+
+
+def test_lock_of_a_killed_writer_is_taken_over_with_a_note(root, tmp_path, cleanup, caplog):
+    w = Writer(str(root), tmp_path)
+    cleanup.append(w)
+    w.kill()
+    with tiersave.Checkpointer(root) as ckpt, warnings.catch_warnings():
+        warnings.simplefilter("error")  # a note in the log, not a Python warning: resuming is the normal path
+        ckpt.save(2, state())
+        holder = LockHolder.parse((root / LOCK_NAME).read_bytes())
+        assert holder is not None and holder.pid == os.getpid()
+    note = f"took over the writer lock of {root.as_uri()} left by pid {w.proc.pid}"
+    assert note in caplog.text and "that process is no longer running" in caplog.text
+
+
+def test_opt_outs(root, monkeypatch):
+    with tiersave.Checkpointer(root) as a, tiersave.Checkpointer(root, writer_lock=False) as b:
+        a.save(1, state())
+        b.save(2, state())
+    monkeypatch.setenv("TIERSAVE_WRITER_LOCK", "0")
+    with tiersave.Checkpointer(root) as a, tiersave.Checkpointer(root) as b:
+        a.save(3, state())
+        b.save(4, state())
+
+
+def test_lock_file_is_opened_like_any_file_of_the_root(root, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.write_bytes(b"")
+    (root / LOCK_NAME).symlink_to(outside)
+    with tiersave.Checkpointer(root) as ckpt, pytest.raises(tiersave.FormatError, match="symbolic link"):
+        ckpt.save(1, state())
+    assert outside.read_bytes() == b""
+
+
+def test_every_tier_is_locked_memory_included(tmp_path, cleanup, monkeypatch):
+    monkeypatch.setenv("TIERSAVE_SHM_DIR", str(tmp_path / "shm"))
+    name = f"lock-{os.getpid()}"
+    disk = tmp_path / "disk"
+    tiers = [f"mem://{name}", str(disk)]
+    try:
+        with tiersave.Checkpointer(tiers=tiers) as a:
+            a.save(1, state())
+            # another writer on the memory tier alone, or on the disk tier alone, is refused
+            for other in ([f"mem://{name}"], [str(disk)]):
+                with tiersave.Checkpointer(tiers=other) as b, pytest.raises(WriterLockedError):
+                    b.save(2, state())
+    finally:
+        MemoryStorage(name).destroy()
+
+
+# -- object stores: the lease --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def s3_root(seaweed, s3_bucket, monkeypatch) -> Any:
+    """(URI, storage) of a fresh prefix; the AWS_* environment points at the test server."""
+    for key, value in seaweed.env().items():
+        monkeypatch.setenv(key, value)
+    storage = seaweed.storage(s3_bucket, "run")  # creates the bucket
+    yield seaweed.uri(s3_bucket, "run"), storage
+    storage.close()
+
+
+def test_s3_second_writer_is_refused_and_release_deletes_the_lease(s3_root, tmp_path, cleanup):
+    s3_uri, storage = s3_root
+    w = Writer(s3_uri, tmp_path, {"TIERSAVE_LEASE_TTL_S": "3"})
+    cleanup.append(w)
+    holder = LockHolder.parse(storage.get(LOCK_NAME))
+    assert holder is not None and holder.pid == w.proc.pid and holder.ttl_s == 3
+    started = time.monotonic()
+    with pytest.raises(WriterLockedError, match=f"pid {w.proc.pid}.*renewing its lease"):
+        Lease(storage)  # watched until its writer's next heartbeat shows it alive
+    assert time.monotonic() - started < 15  # bounded (the message shows it saw a renewal, not an expiry)
+    w.finish()
+    assert not storage.exists(LOCK_NAME)
+    Lease(storage).release()
+
+
+def test_s3_lease_of_a_killed_writer_expires_and_is_taken_over(s3_root, tmp_path, cleanup):
+    s3_uri, storage = s3_root
+    w = Writer(s3_uri, tmp_path, {"TIERSAVE_LEASE_TTL_S": "2"})
+    cleanup.append(w)
+    # same host, dead pid: stale at once, no need to wait for the expiry
+    w.kill()
+    lease = Lease(storage, ttl_s=2)
+    assert lease.note is not None and f"pid {w.proc.pid}" in lease.note and "no longer running" in lease.note
+    lease.release()
+    # another host's lease is judged by its renewals only: forged here with a host name that is not ours, it
+    # is never renewed, so a new writer waits out its time to live and takes it over (a job restarted on
+    # another node right after its predecessor died goes on instead of failing)
+    other = LockHolder("elsewhere.invalid", 4242, time.time(), "t" * 16, time.time(), 2.0)
+    storage.put(LOCK_NAME, other.to_bytes())
+    started = time.monotonic()
+    lease = Lease(storage, ttl_s=2)
+    assert 1.5 < time.monotonic() - started < 8
+    assert lease.note is not None and "elsewhere.invalid" in lease.note and "not renewed" in lease.note
+    lease.release()
+
+
+def test_s3_heartbeat_renews_and_a_lost_lease_refuses_the_next_save(s3_root, monkeypatch):
+    s3_uri, _ = s3_root
+    monkeypatch.setenv("TIERSAVE_LEASE_TTL_S", "2")
+    ckpt = tiersave.Checkpointer(s3_uri)
+    ckpt.save(1, state())
+    first = ckpt.storage.head(LOCK_NAME).mtime
+    time.sleep(2.5)  # past its time to live: alive only because the heartbeat renewed it
+    assert ckpt.storage.head(LOCK_NAME).mtime > first
+    with pytest.raises(WriterLockedError):
+        Lease(ckpt.storage, ttl_s=2)
+    # a successor's lease replaces ours (as after a pause longer than the lease): the next save is refused
+    successor = LockHolder("elsewhere.invalid", 4242, time.time(), "s" * 16, time.time(), 2.0)
+    ckpt.storage.put(LOCK_NAME, successor.to_bytes())
+    time.sleep(1.5)  # two heartbeats (every third of the 2 s time to live) read it back
+    with pytest.raises(WriterLockedError, match=r"taken over by pid 4242 on host elsewhere\.invalid"):
+        ckpt.save(2, state())
+    ckpt.close()
+    assert LockHolder.parse(ckpt.storage.get(LOCK_NAME)) == successor  # close never deletes another's lease
+
+
+def test_malformed_lock_contents_name_no_holder():
+    assert LockHolder.parse(b"") is None
+    assert LockHolder.parse(b"x" * 5000) is None
+    assert LockHolder.parse(b'{"host": "h", "pid": true, "since": 1, "token": "t"}') is None
+    assert LockHolder.parse(b"[" * 10000) is None
+    h = LockHolder.mine(5)
+    assert LockHolder.parse(h.to_bytes()) == h
