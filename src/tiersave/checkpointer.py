@@ -388,14 +388,7 @@ class Checkpointer:
             raise
         self._committer.submit(self._complete, pending)
         if self._schedule is not None:
-            self._schedule.record(
-                SaveCost(
-                    step=request.step,
-                    blocked_s=handle.stats.blocked_s,
-                    drain_s=self._saver.last_total_s,
-                    wall_time=started_mono,
-                )
-            )
+            _record_cost(self._schedule, handle, self._saver.last_total_s, started_mono)
         if blocking:
             handle.result()
             self._committer.submit(lambda: None).result()  # and the first tier's retention after it
@@ -499,6 +492,13 @@ def _raise_unobserved(last: SaveHandle | None) -> None:
     if err is not None:
         last._observed = True
         raise SaveError(f"the save of step {last.step} failed and nobody observed it: {err}") from err
+
+
+def _record_cost(schedule: Schedule, handle: SaveHandle, drain_s: float, started_mono: float) -> None:
+    """Tell an adaptive schedule what this save cost the loop (blocked) and the background (drain)."""
+    schedule.record(
+        SaveCost(step=handle.step, blocked_s=handle.stats.blocked_s, drain_s=drain_s, wall_time=started_mono)
+    )
 
 
 def _skip(chain: TierChain, step: int, busy_step: int, skipped: int, started_wall: float) -> SaveHandle:
