@@ -31,8 +31,11 @@ def small_state(step: int) -> dict:
     }
 
 
-def record_saves(root: Path, steps: range, *, mode: str) -> PowerLossRecorder:
-    with PowerLossRecorder(root) as rec, tiersave.Checkpointer(root, keep_last=2, io_threads=2) as ckpt:
+def record_saves(root: Path, steps: range, *, mode: str, max_shard_bytes: int | None = None) -> PowerLossRecorder:
+    with (
+        PowerLossRecorder(root) as rec,
+        tiersave.Checkpointer(root, keep_last=2, io_threads=2, max_shard_bytes=max_shard_bytes) as ckpt,
+    ):
         for step in steps:
             if mode == "async":
                 ckpt.save_async(step, small_state(step)).result()
@@ -93,6 +96,19 @@ def test_power_cut_at_every_fsync_keeps_the_last_acknowledged_checkpoint(tmp_pat
     images, found = check_all(rec, tmp_path / "images")
     print(f"power loss ({mode}): cuts={len(rec.cuts)} fsyncs={rec.fsyncs} images={images} violations={len(found)}")
     assert rec.fsyncs >= 5 * 4, "the recorder saw too few fsyncs: it is not watching the saves"
+    assert not found, "\n".join(found[:5])
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_power_cut_long_run_with_several_shards(tmp_path, mode):
+    """The long variant: 20 saves of 4 shards each (more files, more fsyncs, retention at every save)."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    rec = record_saves(root, range(1, 21), mode=mode, max_shard_bytes=16 * 1024)
+    images, found = check_all(rec, tmp_path / "images")
+    print(f"power loss long ({mode}): cuts={len(rec.cuts)} fsyncs={rec.fsyncs} images={images} violations={len(found)}")
+    assert rec.fsyncs >= 20 * 6
     assert not found, "\n".join(found[:5])
 
 
