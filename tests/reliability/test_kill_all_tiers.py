@@ -155,10 +155,10 @@ def save_to_the_end(variant: Variant, step: int) -> None:
 
 # (tiers, default trials per mode, kill window in seconds)
 VARIANTS = {
-    "local": (["local"], 15, (0.02, 0.3)),
-    "mem": (["mem"], 25, (0.01, 0.15)),
-    "mem+local": (["mem", "local"], 15, (0.02, 0.35)),
-    "s3": (["s3"], 8, (0.05, 1.0)),
+    "local": (["local"], 12, (0.02, 0.3)),
+    "mem": (["mem"], 20, (0.01, 0.15)),
+    "mem+local": (["mem", "local"], 12, (0.02, 0.35)),
+    "s3": (["s3"], 6, (0.05, 1.0)),
 }
 
 
