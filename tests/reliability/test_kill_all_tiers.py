@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from saver_zygote import state_for as saver_state
 
 import tiersave
 from helpers import S3_TEST_OPTIONS, assert_same
@@ -30,14 +30,7 @@ NUMEL = 64 * 1024  # 4 tensors of 256 KiB
 
 
 def state_for(step: int) -> dict:
-    # the same as saver_zygote.state_for
-    g = torch.Generator().manual_seed(step)
-    return {
-        "model": {f"layer{i}": torch.randn(NUMEL, generator=g) for i in range(4)},
-        "small": torch.randn(3, generator=g),
-        "step": step,
-        "lr": 1e-3 * step,
-    }
+    return saver_state(step, NUMEL)  # what the saver saved for this step
 
 
 class Variant:
