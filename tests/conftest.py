@@ -30,3 +30,31 @@ def seed(request: pytest.FixtureRequest) -> int:
     value = int(os.environ.get("TIERSAVE_TEST_SEED", random.randrange(1 << 30)))
     print(f"\n[{request.node.name}] seed={value} (replay: TIERSAVE_TEST_SEED={value})")
     return value
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        default=False,
+        help="run the long variants of the reliability figures (many more crash trials and fuzz examples)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "long: a long variant, run only with --long (skipped by default)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="a long variant: run with --long")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def long_run(request: pytest.FixtureRequest) -> bool:
+    """True under ``--long``: a figures test scales its trial or example count up."""
+    return bool(request.config.getoption("--long"))

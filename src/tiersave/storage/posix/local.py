@@ -27,6 +27,7 @@ refuses ``O_DIRECT`` gets buffered I/O, never an error. O_DIRECT is not durabili
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import os
 import stat
@@ -352,9 +353,16 @@ class LocalStorage:
                     f"{dst!r} already exists on {self.uri}; refusing to replace it", tier=self.uri, key=dst
                 ) from None
             crashpoint("after_rename")
-            fsync_dir(dst_dir)
-            if src_parts[:-1] != dst_parts[:-1]:
-                fsync_dir(src_dir)
+            try:
+                fsync_dir(dst_dir)
+                if src_parts[:-1] != dst_parts[:-1]:
+                    fsync_dir(src_dir)
+            except OSError:
+                # The rename may not be durable and a failed fsync is never retried (fsyncgate): undo it, so
+                # that a failed commit (or un-commit) leaves the names as they were, then report the error.
+                with contextlib.suppress(OSError):
+                    rename_noreplace(dst_parts[-1], src_parts[-1], src_dir_fd=dst_dir, dst_dir_fd=src_dir)
+                raise
 
     def sync_prefix(self, prefix: str) -> None:
         """``fsync`` the directory ``prefix`` itself (its entries become durable)."""
