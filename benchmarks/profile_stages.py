@@ -143,6 +143,7 @@ def main() -> None:
     p.add_argument("--size", type=float, default=3.0, help="state size in GB")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--io", default="auto", choices=["auto", "direct", "buffered"])
+    p.add_argument("--no-drop-caches", action="store_true", help="evict with fadvise only (no drop_caches)")
     p.add_argument("--perf", action="store_true", help="attribute CPU samples to stages with perf record")
     p.add_argument("--hz", type=int, default=499, help="perf samples per second")
     args = p.parse_args()
@@ -166,7 +167,9 @@ def main() -> None:
     raw_write: list[float] = []
     raw_read: list[float] = []
     for rep in range(args.reps):
-        raw = measure_raw(base, nbytes)  # the device's limits in the same rep, best of 1 and 4 streams
+        raw = measure_raw(
+            base, nbytes, drop_caches=not args.no_drop_caches
+        )  # the device's limits in the same rep, best of 1 and 4 streams
         raw_write.append(raw.best_write)
         raw_read.append(raw.best_read)
         for op in ops[rep % 3 :] + ops[: rep % 3]:  # rotate the order every rep
@@ -175,7 +178,7 @@ def main() -> None:
                 t0, c0 = time.perf_counter(), _cpu()
                 ckpt.save(step, state)
             else:
-                evict([root])
+                evict([root], drop_caches=not args.no_drop_caches)
                 into = live if op == "restore_into" else None
                 t0, c0 = time.perf_counter(), _cpu()
                 out = ckpt.restore(step, into=into)
@@ -194,7 +197,7 @@ def main() -> None:
                     step += 1
                     ckpt.save(step, state)
                 else:
-                    evict([root])
+                    evict([root], drop_caches=not args.no_drop_caches)
                     ckpt.restore(step, into=live if op == "restore_into" else None)
             prof.stop()
             profiles[op] = {k: v / args.reps for k, v in summarize_perf(data, args.hz).items()}
