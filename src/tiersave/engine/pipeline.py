@@ -300,11 +300,22 @@ class StagedWrite:
             self._cuda_stream.wait_stream(torch.cuda.current_stream())
         src: torch.Tensor | None = None
         src_index = -1
+        addresses, copier = self._addresses, self.copier
+        arena_ptr = self.arena_tensor.data_ptr()
         for u in self.plan.units:
             self.ring.wait_free(u.global_offset + u.padded)
             segments = self.ring.segments(u.global_offset, u.padded)
             if u.is_group:
                 on_cuda = self._stage_group(u, segments)
+            elif copier is not None and addresses[u.tensor] is not None and len(segments) == 1:
+                # A plain host tensor: copy from the address read once in host_addresses. Each torch call
+                # (detach, view, reshape, data_ptr) releases and retakes the GIL, which on a loaded machine
+                # costs a wait behind the writer threads every time.
+                pos = segments[0][0]
+                copier.copy(arena_ptr + pos, addresses[u.tensor] + u.src_start, u.length)  # type: ignore[operator]
+                if u.padded > u.length:
+                    ctypes.memset(arena_ptr + pos + u.length, 0, u.padded - u.length)  # the format's zero padding
+                on_cuda = False
             else:
                 if u.tensor != src_index:  # chunks of one tensor are consecutive units
                     src, src_index = source_bytes(self.sources[u.tensor]), u.tensor
