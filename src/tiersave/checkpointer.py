@@ -82,8 +82,7 @@ class Checkpointer:
         coordination_timeout_s: how long a collective save or restore waits for the other ranks before it
             fails with ``DistributedCheckpointError`` naming the ranks that did not answer.
 
-    Thread safety: one thread calls ``save``/``restore`` at a time; listing methods may be called from
-    any thread. Use as a context manager or call ``close()``.
+    Thread safety: one thread calls save/restore at a time, listing from any. A context manager, or ``close()``.
     """
 
     def __init__(
@@ -306,9 +305,12 @@ class Checkpointer:
         metrics: Mapping[str, float] | None = None,
         tags: Iterable[str] = (),
         metadata: Mapping[str, Any] | None = None,
+        replicated: Iterable[str] = (),
     ) -> SaveHandle:
         """``save(..., blocking=False)``: return once the state is staged; write in the background."""
-        return self.save(step, state, metrics=metrics, tags=tags, metadata=metadata, blocking=False)
+        return self.save(
+            step, state, metrics=metrics, tags=tags, metadata=metadata, replicated=replicated, blocking=False
+        )
 
     def save(
         self,
@@ -318,6 +320,7 @@ class Checkpointer:
         metrics: Mapping[str, float] | None = None,
         tags: Iterable[str] = (),
         metadata: Mapping[str, Any] | None = None,
+        replicated: Iterable[str] = (),
         blocking: bool = True,
     ) -> SaveHandle:
         """Save ``state`` as the checkpoint of ``step``.
@@ -334,11 +337,12 @@ class Checkpointer:
             metrics: finite numbers recorded in the manifest (used by keep-best retention).
             tags: names such as ``"best"`` or ``"milestone"`` to find the checkpoint by later.
             metadata: free JSON-serializable data recorded in the manifest.
+            replicated: top-level keys of ``state`` identical on every rank (DDP weights and optimizer state):
+                written once in total, split across ranks, checked at the first save (docs/distributed.md).
             blocking: wait until the checkpoint is durable (default) or only until it is staged.
 
         Returns:
-            A :class:`SaveHandle`. A save skipped by ``on_busy="skip"`` returns a handle with
-            ``skipped=True`` whose ``result()`` is None.
+            A :class:`SaveHandle`; one skipped by ``on_busy="skip"`` has ``skipped=True``, ``result()`` None.
 
         Raises:
             ConfigError: a bad step, metric, tag or metadata value.
@@ -350,7 +354,7 @@ class Checkpointer:
         """
         self._check_open()
         self._raise_unobserved()
-        request = SaveRequest.validate(step, metrics, tags, metadata)
+        request = SaveRequest.validate(step, metrics, tags, metadata, replicated)
         started, started_wall, started_mono = time.perf_counter(), time.time(), time.monotonic()
         previous = self._inflight
         if previous is not None and not previous.done():
@@ -361,6 +365,7 @@ class Checkpointer:
                 raise SaveError(f"the save of step {previous.step} is still being written (on_busy='raise')")
             previous.wait()
             self._raise_unobserved()
+        self._saver.check_replicated(request, state, self._committer)  # before anything is staged or written
         handle = SaveHandle(request.step)
         with self._lock:
             self._last = handle
