@@ -80,12 +80,7 @@ def replicated_mismatch(rank: int, world: int, rec: dict[str, Any]) -> None:
         if rank == 1:
             with torch.no_grad():
                 state["model"][1].weight[7, 3] += 1.0
-        start = time.monotonic()
-        try:
-            ckpt.save(1, state, replicated=["model", "optim"])
-            rec["save1"] = "ok"
-        except tiersave.TiersaveError as exc:
-            rec["save1"] = error_record(exc, start)
+        rec["save1"] = try_save(ckpt, state)
         rec["latest_after_failure"] = ckpt.latest().step if ckpt.latest() is not None else None
         ckpt.save(2, state, replicated=["optim"])  # the group is still usable; optim does agree
         rec["latest"] = ckpt.latest().step
@@ -97,12 +92,17 @@ def replicated_missing_key(rank: int, world: int, rec: dict[str, Any]) -> None:
         state = ddp_state(rank, 1)
         if rank == 1:
             del state["optim"]
-        start = time.monotonic()
-        try:
-            ckpt.save(1, state, replicated=["model", "optim"])
-            rec["save1"] = "ok"
-        except tiersave.TiersaveError as exc:
-            rec["save1"] = error_record(exc, start)
+        rec["save1"] = try_save(ckpt, state)
+
+
+def try_save(ckpt: tiersave.Checkpointer, state: dict[str, Any]) -> Any:
+    """Save step 1 declaring the model and optimizer replicated: "ok", or the error's record."""
+    start = time.monotonic()
+    try:
+        ckpt.save(1, state, replicated=["model", "optim"])
+        return "ok"
+    except tiersave.TiersaveError as exc:
+        return error_record(exc, start)
 
 
 def loop_state(rank: int, step: int) -> dict[str, Any]:
