@@ -87,8 +87,7 @@ class Checkpointer:
             (rank 0 only), so a second live writer of a root gets ``WriterLockedError`` naming this one; a
             restore never takes it. False (or ``TIERSAVE_WRITER_LOCK=0``): docs/guarantees.md.
 
-    Thread safety: one thread calls ``save``/``restore`` at a time; listing methods may be called from
-    any thread. Use as a context manager or call ``close()``.
+    Thread safety: one thread calls save/restore at a time, listing from any. A context manager, or ``close()``.
     """
 
     def __init__(
@@ -316,9 +315,12 @@ class Checkpointer:
         metrics: Mapping[str, float] | None = None,
         tags: Iterable[str] = (),
         metadata: Mapping[str, Any] | None = None,
+        replicated: Iterable[str] = (),
     ) -> SaveHandle:
         """``save(..., blocking=False)``: return once the state is staged; write in the background."""
-        return self.save(step, state, metrics=metrics, tags=tags, metadata=metadata, blocking=False)
+        return self.save(
+            step, state, metrics=metrics, tags=tags, metadata=metadata, replicated=replicated, blocking=False
+        )
 
     def save(
         self,
@@ -328,6 +330,7 @@ class Checkpointer:
         metrics: Mapping[str, float] | None = None,
         tags: Iterable[str] = (),
         metadata: Mapping[str, Any] | None = None,
+        replicated: Iterable[str] = (),
         blocking: bool = True,
     ) -> SaveHandle:
         """Save ``state`` as the checkpoint of ``step``.
@@ -344,11 +347,12 @@ class Checkpointer:
             metrics: finite numbers recorded in the manifest (used by keep-best retention).
             tags: names such as ``"best"`` or ``"milestone"`` to find the checkpoint by later.
             metadata: free JSON-serializable data recorded in the manifest.
+            replicated: top-level keys of ``state`` identical on every rank (DDP weights and optimizer state):
+                written once in total, split across ranks, checked at the first save (docs/distributed.md).
             blocking: wait until the checkpoint is durable (default) or only until it is staged.
 
         Returns:
-            A :class:`SaveHandle`. A save skipped by ``on_busy="skip"`` returns a handle with
-            ``skipped=True`` whose ``result()`` is None.
+            A :class:`SaveHandle`; one skipped by ``on_busy="skip"`` has ``skipped=True``, ``result()`` None.
 
         Raises:
             ConfigError: a bad step, metric, tag or metadata value.
@@ -360,7 +364,7 @@ class Checkpointer:
         """
         self._check_open()
         _raise_unobserved(self._last)
-        request = SaveRequest.validate(step, metrics, tags, metadata)
+        request = SaveRequest.validate(step, metrics, tags, metadata, replicated)
         started, started_wall, started_mono = time.perf_counter(), time.time(), time.monotonic()
         previous = self._inflight
         if previous is not None and not previous.done():
@@ -371,6 +375,7 @@ class Checkpointer:
                 raise SaveError(f"the save of step {previous.step} is still being written (on_busy='raise')")
             previous.wait()
             _raise_unobserved(self._last)
+        self._saver.check_replicated(request, state, self._committer)  # before anything is staged or written
         handle = SaveHandle(request.step)
         with self._lock:
             self._last = handle
@@ -380,11 +385,7 @@ class Checkpointer:
             self._roots.hold()  # refused: this save fails here (the collective's other ranks by the vote below)
             pending = self._saver.stage(handle, request, state, started, started_wall, blocking, token)
         except BaseException as exc:
-            if not handle.done():
-                handle._set_error(exc)
-                handle._observed = True
-            if self._collective is not None:  # the other ranks learn of it at once, not at their timeout
-                self._committer.submit(self._saver.vote_no, request.step, exc, self._saver.abandoned_prefix)
+            _staging_failed(handle, exc, self._saver, self._committer if self._collective is not None else None)
             raise
         self._committer.submit(self._complete, pending)
         if self._schedule is not None:
@@ -492,6 +493,17 @@ def _raise_unobserved(last: SaveHandle | None) -> None:
     if err is not None:
         last._observed = True
         raise SaveError(f"the save of step {last.step} failed and nobody observed it: {err}") from err
+
+
+def _staging_failed(handle: SaveHandle, exc: BaseException, saver: Saver, committer: DaemonThreadPool | None) -> None:
+    """A save failed before it was handed to the commit thread: its handle holds the (raised, so observed)
+    error, and in a collective Checkpointer (``committer`` given) the other ranks learn of it by a "no" vote
+    at once, not at their timeout."""
+    if not handle.done():
+        handle._set_error(exc)
+        handle._observed = True
+    if committer is not None:
+        committer.submit(saver.vote_no, handle.step, exc, saver.abandoned_prefix)
 
 
 def _record_cost(schedule: Schedule, handle: SaveHandle, drain_s: float, started_mono: float) -> None:

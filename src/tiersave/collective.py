@@ -9,9 +9,10 @@ one broadcast per save, whatever the number of tensors).
 
 The global manifest stays a plain format-1 manifest: ``world_size`` is the number of ranks, every shard
 records its ``rank``, every tensor is named ``rank-RRRRR/<name>`` and the tree is
-``{"rank-00000": <rank 0's tree>, "rank-00001": ...}``. A reader that knows nothing of ranks still reads
-(and verifies, exports) everything; a rank restores only its own subtree and reads only its own tensors
-(:func:`rank_view`).
+``{"rank-00000": <rank 0's tree>, "rank-00001": ...}``. Tensors declared replicated (replicated.py) are
+written once in total, by the rank each is assigned to, and named ``replicated/<name>``: every rank's tree
+refers to that one copy. A reader that knows nothing of ranks still reads (and verifies, exports) everything;
+a rank restores only its own subtree and reads its own tensors and the replicated ones (:func:`rank_view`).
 
 Scope: the layout of a collective checkpoint's manifest, the attempt token, and checking that the ranks'
 shards are where rank 0 commits. Anti-scope: the coordination protocol (dist/), writing shards (engine/),
@@ -29,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from .commit import tmp_token
 from .errors import ConfigError, CorruptCheckpointError, ObjectNotFoundError, StateMismatchError
 from .format.manifest import Manifest, ShardInfo, TensorEntry
-from .format.tree import T_NDARRAY, T_TENSOR
+from .format.tree import T_NDARRAY, T_TENSOR, escape_key
+from .replicated import REPLICATED_PREFIX, Selection
 from .storage.base import Storage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -92,16 +94,35 @@ def rank_key(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def rank_part(rank: int, shards: Sequence[ShardInfo], tensors: Mapping[str, TensorEntry], tree: Any) -> dict[str, Any]:
-    """What a rank votes with: its shards, its tensor entries (shard indices local to its shards) and its tree."""
-    return {
+def rank_part(
+    rank: int,
+    shards: Sequence[ShardInfo],
+    tensors: Mapping[str, TensorEntry],
+    tree: Any,
+    replicated: Selection | None = None,
+) -> dict[str, Any]:
+    """What a rank votes with: its shards, its tensor entries (shard indices local to its shards) and its tree;
+    with ``replicated``, the replicated tensors it wrote apart from its own, and the digest of the replicated
+    layout that rank 0 compares across ranks."""
+    shared = replicated.names if replicated is not None else frozenset()
+    part: dict[str, Any] = {
         "rank": rank,
         "shards": [{"file": s.file, "size": s.size} for s in shards],
-        "tensors": {
-            name: [t.dtype, list(t.shape), t.shard, t.offset, t.nbytes, list(t.crc32c)] for name, t in tensors.items()
-        },
+        "tensors": {name: _entry(t) for name, t in tensors.items() if name not in shared},
         "tree": tree,
     }
+    if replicated is not None:
+        part["replicated"] = {
+            "keys": [escape_key(k) for k in replicated.keys],
+            "digest": replicated.digest,
+            "count": len(replicated.tensors),
+            "tensors": {name: _entry(t) for name, t in tensors.items() if name in shared},
+        }
+    return part
+
+
+def _entry(t: TensorEntry) -> list[Any]:
+    return [t.dtype, list(t.shape), t.shard, t.offset, t.nbytes, list(t.crc32c)]
 
 
 def merge_parts(
@@ -123,16 +144,32 @@ def merge_parts(
     shards: list[ShardInfo] = []
     tensors: dict[str, TensorEntry] = {}
     tree: dict[str, Any] = {}
+    layout = _replicated_layout(step, parts)
     for rank, part in enumerate(parts):
-        if not isinstance(part, dict) or part.get("rank") != rank:
-            raise ConfigError(f"step {step}: the part at position {rank} is not rank {rank}'s")
         base = len(shards)
         shards.extend(ShardInfo(s["file"], rank, s["size"]) for s in part["shards"])
         prefix = rank_key(rank) + "/"
-        for name, (dtype, shape, shard, offset, nbytes, crcs) in part["tensors"].items():
-            full = prefix + name
-            tensors[full] = TensorEntry(full, dtype, tuple(shape), base + shard, offset, nbytes, tuple(crcs))
-        tree[rank_key(rank)] = _prefix_refs(part["tree"], prefix)
+        _add_entries(tensors, part["tensors"], prefix, base)
+        if layout is None:
+            tree[rank_key(rank)] = _prefix_refs(part["tree"], prefix)
+            continue
+        before = len(tensors)
+        _add_entries(tensors, part["replicated"]["tensors"], REPLICATED_PREFIX, base)
+        if len(tensors) - before != len(part["replicated"]["tensors"]):
+            raise ConfigError(f"step {step}: rank {rank} wrote a replicated tensor that another rank wrote too")
+        keys = set(layout["keys"])
+        if not isinstance(part["tree"], dict):
+            raise ConfigError(f"step {step}: rank {rank} declared replicated keys but its state is not a dict")
+        tree[rank_key(rank)] = {
+            k: _prefix_refs(v, REPLICATED_PREFIX if k in keys else prefix) for k, v in part["tree"].items()
+        }
+    if layout is not None:
+        written = sum(1 for name in tensors if name.startswith(REPLICATED_PREFIX))
+        if written != layout["count"]:
+            raise ConfigError(
+                f"step {step}: the ranks wrote {written} of the {layout['count']} replicated tensors: they did not "
+                "assign them alike"
+            )
     manifest = Manifest(
         step=step,
         shards=tuple(shards),
@@ -147,6 +184,42 @@ def merge_parts(
     )
     manifest.validate(path=f"step {step}")
     return manifest
+
+
+def _add_entries(tensors: dict[str, TensorEntry], entries: Mapping[str, Any], prefix: str, base: int) -> None:
+    for name, (dtype, shape, shard, offset, nbytes, crcs) in entries.items():
+        full = prefix + name
+        tensors[full] = TensorEntry(full, dtype, tuple(shape), base + shard, offset, nbytes, tuple(crcs))
+
+
+def _replicated_layout(step: int, parts: Sequence[Any]) -> dict[str, Any] | None:
+    """Rank 0: the replicated layout every rank declared (None when none did), after checking the parts come
+    from their ranks and agree on it (same keys, same tensors by name, dtype and shape).
+
+    Raises:
+        ConfigError: a part is not its rank's, or the ranks disagree on what is replicated.
+    """
+    for rank, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("rank") != rank:
+            raise ConfigError(f"step {step}: the part at position {rank} is not rank {rank}'s")
+    layouts = [part.get("replicated") for part in parts]
+    first: dict[str, Any] | None = layouts[0]
+
+    def same(layout: Any) -> bool:
+        if first is None or layout is None:
+            return layout is first
+        return all(layout.get(k) == first.get(k) for k in ("keys", "digest", "count"))
+
+    differ = [r for r, layout in enumerate(layouts) if not same(layout)]
+    if differ:
+        raise ConfigError(
+            f"step {step}: rank(s) {differ} declared other replicated state than rank 0 (other keys, or tensors "
+            "with other names, dtypes or shapes): every rank must pass the same replicated= and hold that state "
+            "identically"
+        )
+    if first is not None and not (isinstance(first.get("keys"), list) and isinstance(first.get("count"), int)):
+        raise ConfigError(f"step {step}: rank 0 sent a malformed replicated layout")
+    return first
 
 
 def check_shards_visible(storage: Storage, prefix: str, manifest: Manifest) -> None:
@@ -206,7 +279,7 @@ def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest
         raise CorruptCheckpointError(
             f"step {manifest.step}: the manifest has no state for rank {rank}", step=manifest.step
         )
-    tensors = {name: t for name, t in manifest.tensors.items() if name.startswith(prefix)}
+    tensors = {name: t for name, t in manifest.tensors.items() if name.startswith((prefix, REPLICATED_PREFIX))}
     return replace(manifest, tree=tree, tensors=tensors)
 
 

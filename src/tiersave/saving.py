@@ -32,7 +32,8 @@ from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
 from .format.layout import MAX_STEP, align_up, is_valid_tag, shard_filename
 from .format.manifest import Manifest
 from .handle import SaveHandle
-from .state import flatten
+from .replicated import Selection, assign, check_declaration, normalize_keys, select
+from .state import FlatState, FlatTensor, flatten
 from .storage.base import Storage
 from .tiers import TierRuntime
 
@@ -50,16 +51,22 @@ class SaveRequest:
     metrics: dict[str, float]
     tags: tuple[str, ...]
     metadata: dict[str, Any]
+    replicated: tuple[str, ...] = ()
 
     @classmethod
     def validate(
-        cls, step: Any, metrics: Mapping[str, float] | None, tags: Iterable[str], metadata: Mapping[str, Any] | None
+        cls,
+        step: Any,
+        metrics: Mapping[str, float] | None,
+        tags: Iterable[str],
+        metadata: Mapping[str, Any] | None,
+        replicated: Iterable[str] = (),
     ) -> SaveRequest:
         """Check ``save()``'s arguments.
 
         Raises:
             ConfigError: a step outside ``[0, 2**63)``, a metric that is not a finite number, a malformed tag,
-                or metadata that is not plain JSON.
+                metadata that is not plain JSON, or ``replicated`` that is not a list of keys.
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= int(step) <= MAX_STEP:
             raise ConfigError(f"step must be an integer in [0, 2**63), got {step!r}")
@@ -86,7 +93,7 @@ class SaveRequest:
             raise ConfigError(f"metadata must be plain JSON (dicts, lists, strings, finite numbers): {exc}") from None
         if not all(isinstance(k, str) for k in metadata_d):
             raise ConfigError("metadata keys must be strings")
-        return cls(int(step), metrics_d, tags_t, metadata_d)
+        return cls(int(step), metrics_d, tags_t, metadata_d, normalize_keys(replicated))
 
 
 @dataclass
@@ -100,6 +107,7 @@ class PendingSave:
     tree: Any
     started: float
     started_wall: float
+    replicated: Selection | None = None  # the replicated tensors of a collective save
     manifest: Manifest | None = None  # set once committed (on rank 0 of a collective save)
     info: CheckpointInfo | None = None  # the committed checkpoint, as rank 0 described it (other ranks)
 
@@ -145,6 +153,7 @@ class Saver:
         self.staging_step: int | None = None  # the step being staged on the caller's thread, if any
         self.abandoned_prefix: str | None = None  # the prefix of the last save that failed while staging
         self.last_total_s = 0.0  # the last committed save's time from start to commit
+        self.checked_replicated: set[tuple[str, ...]] = set()  # declarations whose fingerprints agreed
 
     def close(self, *, release_memory: bool) -> None:
         self.copier.close()
@@ -171,6 +180,17 @@ class Saver:
 
     # -- caller's thread --------------------------------------------------------------------------
 
+    def check_replicated(self, request: SaveRequest, state: Any, serial: Executor) -> None:
+        """The first collective save declaring ``request.replicated`` checks, on the ``serial`` executor (the
+        commit thread, so that this exchange keeps its place among the votes of earlier saves), that every
+        rank holds that state identically; later saves with the same keys skip it. Raises ConfigError (on
+        every rank) when it does not, before anything is written."""
+        keys = request.replicated
+        if self.group is None or not keys or keys in self.checked_replicated:
+            return
+        serial.submit(check_declaration, self.group, state, keys, request.step).result()
+        self.checked_replicated.add(keys)
+
     def stage(
         self,
         handle: SaveHandle,
@@ -190,16 +210,17 @@ class Saver:
         try:
             flat = flatten(state)
             stats.flatten_s = time.perf_counter() - started
+            selection, tensors = self._select(state, flat, request.replicated)
             plan = plan_save(
-                flat.tensors,
-                chunk_bytes=self.chunk_for(sum(align_up(t.nbytes) for t in flat.tensors)),
+                tensors,
+                chunk_bytes=self.chunk_for(sum(align_up(t.nbytes) for t in tensors)),
                 shard_file=lambda i: shard_filename(self.rank, i),
                 max_shard_bytes=self.max_shard_bytes,
             )
             prefix = self.commit.begin(request.step, token)
             io_before = _io_bytes(self.storage)
             job = StagedWrite(
-                self.storage, prefix, plan, [t.source for t in flat.tensors], self.arena, self.pool, self.copier
+                self.storage, prefix, plan, [t.source for t in tensors], self.arena, self.pool, self.copier
             )
             job.stage(overlap=blocking)  # async: shortest stall; blocking: shortest time to durable
         except BaseException as exc:
@@ -218,12 +239,23 @@ class Saver:
             handle._set_staged()  # CPU copies are done; device copies are confirmed by the commit thread
         stats.stage_s = job.stage_s
         stats.stage_wait_s = job.ring.waited_s
-        stats.tensor_bytes = flat.nbytes
+        stats.tensor_bytes = sum(t.nbytes for t in tensors)  # this rank's: replicated tensors count once
         stats.stored_bytes = plan.total_bytes
-        stats.num_tensors = len(flat.tensors)
+        stats.num_tensors = len(tensors)
         stats.blocked_s = time.perf_counter() - started
         stats.extra["io_before"] = io_before
-        return PendingSave(handle, request, job, prefix, flat.tree, started, started_wall)
+        return PendingSave(handle, request, job, prefix, flat.tree, started, started_wall, selection)
+
+    def _select(self, state: Any, flat: FlatState, keys: tuple[str, ...]) -> tuple[Selection | None, list[FlatTensor]]:
+        """The replicated part of a collective save, and the tensors this rank writes: its own and the
+        replicated ones assigned to it."""
+        if not keys:
+            return None, flat.tensors
+        selection = select(state, flat, keys)  # also in a single process: a bad declaration fails alike
+        if self.group is None:
+            return None, flat.tensors
+        owner = assign(selection.tensors, self.group.world_size)
+        return selection, [t for t in flat.tensors if owner.get(t.name, self.rank) == self.rank]
 
     # -- commit thread ----------------------------------------------------------------------------
 
@@ -313,7 +345,7 @@ class Saver:
             info = CheckpointInfo.from_manifest(manifest, self.catalog.location(request.step))
             return {**info.to_json(), "stats": info.stats}  # so no other rank reads the global manifest back
 
-        part = rank_part(self.rank, written.shards, written.tensors, p.tree)
+        part = rank_part(self.rank, written.shards, written.tensors, p.tree, p.replicated)
         outcome = self.group.vote(request.step, part, commit=commit if self.rank == 0 else None)
         if self.rank != 0:
             p.info = CheckpointInfo.from_json(outcome.result)  # type: ignore[arg-type]

@@ -142,29 +142,55 @@ def test_text_report_and_progress(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert any((tmp_path / "b" / "tiersave-auto").iterdir())  # --keep
 
 
-def test_several_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("replicated", [False, True])
+def test_several_ranks_save_one_checkpoint_next_to_dcp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], replicated: bool
+) -> None:
+    flags = ["--replicated"] if replicated else []
     code, out, err = run(
         capsys,
         "bench",
         str(tmp_path / "b"),
         *TINY,
         "--io",
-        "auto",
-        "--peers",
         "none",
+        "--peers",
+        "dcp,dcp-async",
         "--no-raw",
         "--ranks",
         "2",
+        *flags,
         "--json",
     )
     assert code == 0, err
-    ranks = json.loads(out)["ranks"]
-    assert ranks["ranks"] == 2
+    data = json.loads(out)
+    ranks = data["ranks"]
+    assert ranks["ranks"] == 2 and ranks["replicated"] is replicated
     rnd = ranks["rounds"][0]
-    assert [r["rank"] for r in rnd["per_rank"]] == [0, 1]
-    assert rnd["slowest_save_s"] == max(r["save_s"] for r in rnd["per_rank"])
-    assert rnd["bytes"] == sum(r["bytes"] for r in rnd["per_rank"])
-    assert rnd["lowest_rank_save_gbps"] <= rnd["save_gbps"] * 1.0001
+    methods = rnd["methods"]
+    assert set(methods) == {
+        "tiersave-save",
+        "tiersave-load",
+        "tiersave-async",
+        "memcpy",
+        "dcp-save",
+        "dcp-load",
+        "dcp-async",
+    }
+    state = data["state"]["bytes"]
+    for name, m in methods.items():
+        assert [r["rank"] for r in m["per_rank"]] == [0, 1], name
+        assert m["slowest_s"] == max(r["seconds"] for r in m["per_rank"]), name
+        assert m["lowest_rank_gbps"] <= m["gbps"] * 1.0001, name
+    # one checkpoint, the state once in total, whether each rank holds a share or the whole (replicated)
+    assert methods["tiersave-save"]["bytes"] == state
+    assert all(r["bytes"] > 0 for r in methods["tiersave-save"]["per_rank"])
+    assert methods["memcpy"]["bytes"] == state  # each rank copies what it writes
+    # DCP writes replicated tensors once too (its files add a header per tensor: 40% of this tiny state)
+    assert state <= methods["dcp-save"]["bytes"] < state * 1.9
+    assert methods["tiersave-load"]["bytes"] == state * (2 if replicated else 1)  # every rank reads all of it
+    summary = ranks["summary"]
+    assert summary["save_vs_dcp"] > 0 and summary["load_vs_dcp"] > 0 and summary["async_blocked_vs_memcpy"] > 0
 
 
 @pytest.mark.parametrize(

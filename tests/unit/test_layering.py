@@ -50,6 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.checkpointer",
             "tiersave.saving",
             "tiersave.collective",
+            "tiersave.replicated",
             "tiersave.tiers",
             "tiersave.drain",
             "tiersave.catalog",

@@ -35,7 +35,9 @@ class BenchConfig:
         raw: measure the raw device limits.
         drop_caches: also drop the kernel page cache (root only) besides ``fadvise(DONTNEED)``.
         recalibrate: measure the auto policy's calibration again instead of using the cached one.
-        ranks: tiersave processes for the multi-rank phase (1: skip it).
+        ranks: processes of the multi-rank phase, one collective checkpoint per save (0: skip it).
+        replicated: in the multi-rank phase, every rank holds the whole state, declared replicated (DDP)
+            instead of a 1/N share of it.
         seed: seed of the state's random values.
         keep: leave the last checkpoints on disk.
     """
@@ -51,7 +53,8 @@ class BenchConfig:
     raw: bool = True
     drop_caches: bool = True
     recalibrate: bool = False
-    ranks: int = 1
+    ranks: int = 0
+    replicated: bool = False
     seed: int = 0
     keep: bool = False
 
@@ -60,8 +63,8 @@ class BenchConfig:
             raise ConfigError(f"checkpoints must be >= 1, got {self.checkpoints}")
         if self.warmup < 0:
             raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
-        if self.ranks < 1:
-            raise ConfigError(f"ranks must be >= 1, got {self.ranks}")
+        if self.ranks < 0:
+            raise ConfigError(f"ranks must be >= 0, got {self.ranks}")
         for mode in self.io_modes:
             if mode not in IO_MODES:
                 raise ConfigError(f"unknown io mode {mode!r}; known: {', '.join(IO_MODES)}")
@@ -82,5 +85,6 @@ class BenchConfig:
             "drop_caches": self.drop_caches,
             "recalibrate": self.recalibrate,
             "ranks": self.ranks,
+            "replicated": self.replicated,
             "seed": self.seed,
         }

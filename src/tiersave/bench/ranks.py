@@ -1,17 +1,34 @@
-"""Several ranks at once: tiersave in ``ranks`` processes, each saving and restoring its share of the state.
+"""Several ranks, one checkpoint: a collective tiersave save and restore in ``ranks`` processes (gloo on
+127.0.0.1), next to DCP's ``FileSystemWriter`` save and load and ``dcp.async_save`` in the same processes.
 
-Each rank takes every ``ranks``-th tensor of the state, so the shares are about equal, and saves under
-its own root (as ranks of a data-parallel job write their own shards). The ranks start each phase
-together (a barrier), the page cache is evicted between phases, and every rank reports its own duration;
-the config's warm-up rounds run first and are not reported.
-As MLPerf Storage does, the job's figure is set by the slowest rank: aggregate throughput is all bytes
-over the slowest rank's duration, and the lowest per-rank throughput is reported next to it.
+Two layouts of the state:
+
+- sharded (default): each rank holds every ``ranks``-th tensor of the state and saves it, so the job's
+  checkpoint is the state once;
+- replicated (``BenchConfig.replicated``): every rank holds the whole state identically, as data-parallel
+  ranks do. tiersave is told so (``replicated=["model"]``) and each rank writes about 1/N of it; DCP's
+  planner writes each replicated tensor once on its own (on the rank with the smallest plan).
+
+Each round runs every method once, in an order rotated from round to round (interleaved). Before each timed
+phase the ranks meet at a barrier and rank 0 evicts the page cache, so every read is cold; every rank reports
+its own duration and its own bytes (tiersave: what the rank wrote or read; DCP: the sizes of the rank's own
+``__R_*.distcp`` files for a save, its state's bytes for a load). As MLPerf Storage does, the job's figures
+are set by the slowest rank (all bytes over the slowest rank's duration) with the lowest rank's throughput
+next to them. ``tiersave-async`` and ``dcp-async`` report the time the caller was blocked, and ``memcpy`` the
+time to copy the bytes the rank itself writes into memory it already holds: the floor of any staging copy.
+The config's warm-up rounds run first and are not reported.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import shutil
+import statistics
 import time
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from .config import BenchConfig
@@ -22,65 +39,144 @@ _TIMEOUT_S = 3600.0
 
 
 def _rank_main(
-    rank: int,
-    world: int,
-    directory: str,
-    model: str,
-    size_bytes: int,
-    io_threads: int | None,
-    rounds: int,
-    warmup: int,
-    drop_caches: bool,
-    calibration: Any,
-    seed: int,
-    barrier: Any,
-    queue: Any,
+    rank: int, world: int, port: int, opts: dict[str, Any], calibration: Any, barrier: Any, queue: Any
 ) -> None:
     try:
-        from pathlib import Path
+        import torch.distributed as dist
 
-        from ..checkpointer import Checkpointer
-        from ..storage.posix import LocalStorage
-        from .device import evict
-        from .workload import build_state, gpt_like_spec
-
-        spec = gpt_like_spec(model, size_bytes)
-        full = build_state(spec, seed=seed)
-        share = {name: t for i, (name, t) in enumerate(full.items()) if i % world == rank}
-        del full
-        nbytes = sum(t.numel() * t.element_size() for t in share.values())
-        root = Path(directory) / f"rank-{rank:05d}"
-        storage = LocalStorage(root, io="auto", calibration=calibration)
-        with Checkpointer(storage, io_threads=io_threads) as ckpt:
-            for rnd in range(warmup + rounds):
-                barrier.wait(_TIMEOUT_S)
-                if rank == 0:
-                    evict([Path(directory)], drop_caches=drop_caches)
-                barrier.wait(_TIMEOUT_S)
-                start = time.perf_counter()
-                ckpt.save(rnd + 1, share)
-                save_s = time.perf_counter() - start
-                barrier.wait(_TIMEOUT_S)
-                if rank == 0:
-                    evict([Path(directory)], drop_caches=drop_caches)
-                barrier.wait(_TIMEOUT_S)
-                start = time.perf_counter()
-                ckpt.restore(rnd + 1, into=share)
-                load_s = time.perf_counter() - start
-                if rnd >= warmup:  # the first saves allocate the staging arena: not the steady state
-                    queue.put(("ok", rank, rnd - warmup, nbytes, save_s, load_s))
-                ckpt.prune(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=_TIMEOUT_S))
+        try:
+            _run_rank(rank, world, opts, calibration, barrier, queue)
+        finally:
+            dist.destroy_process_group()
     except BaseException as exc:
         queue.put(("error", rank, f"{type(exc).__name__}: {exc}"))
         barrier.abort()
 
 
+def _run_rank(rank: int, world: int, opts: dict[str, Any], calibration: Any, barrier: Any, queue: Any) -> None:
+    import torch
+    from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+
+    from ..checkpointer import Checkpointer
+    from ..replicated import assign, select
+    from ..state import flatten
+    from ..storage.posix import LocalStorage
+    from .device import evict
+    from .workload import build_state, gpt_like_spec
+
+    directory = Path(opts["directory"])
+    spec = gpt_like_spec(opts["model"], opts["size_bytes"])
+    if opts["replicated"]:  # every rank holds all of it, identically
+        state: dict[str, Any] = {"model": build_state(spec, seed=opts["seed"])}
+        owner = assign(select(state, flatten(state), ["model"]).tensors, world)
+        own = [t for name, t in state["model"].items() if owner[f"model.{name}"] == rank]
+    else:  # only the rank's share is ever allocated
+        share = replace(spec, tensors=tuple(t for i, t in enumerate(spec.tensors) if i % world == rank))
+        state = {"model": build_state(share, seed=opts["seed"] + rank)}
+        own = list(state["model"].values())
+    keys = ["model"] if opts["replicated"] else []
+    state_bytes = sum(t.nbytes for t in state["model"].values())
+    copies = [torch.empty_like(t) for t in own]
+    for dst, src in zip(copies, own, strict=True):
+        dst.copy_(src)  # fault the destination in: the staging arena of a running job is too
+
+    def cold(path: Path) -> None:
+        barrier.wait(_TIMEOUT_S)
+        if rank == 0:
+            evict([path], drop_caches=opts["drop_caches"])
+        barrier.wait(_TIMEOUT_S)
+
+    def dcp_bytes(path: Path) -> int:
+        return sum(p.stat().st_size for p in path.glob(f"__{rank}_*.distcp"))
+
+    storage = LocalStorage(directory / "tiersave", io="auto", calibration=calibration)
+    with Checkpointer(
+        storage, io_threads=opts["io_threads"], coordination_timeout_s=_TIMEOUT_S, event_log=False, keep_last=2
+    ) as ckpt:
+
+        def tiersave_save(rnd: int) -> tuple[float, int]:
+            start = time.perf_counter()
+            handle = ckpt.save(2 * rnd + 1, state, replicated=keys)
+            return time.perf_counter() - start, handle.stats.tensor_bytes
+
+        def tiersave_load(rnd: int) -> tuple[float, int]:
+            start = time.perf_counter()
+            ckpt.restore(2 * rnd + 1, into=state)
+            seconds = time.perf_counter() - start
+            return seconds, ckpt.last_restore.bytes_read if ckpt.last_restore is not None else state_bytes
+
+        def tiersave_async(rnd: int) -> tuple[float, int]:
+            start = time.perf_counter()
+            handle = ckpt.save_async(2 * rnd + 2, state, replicated=keys)
+            blocked = time.perf_counter() - start
+            handle.result(_TIMEOUT_S)
+            return blocked, handle.stats.tensor_bytes
+
+        def memcpy(rnd: int) -> tuple[float, int]:
+            start = time.perf_counter()
+            for dst, src in zip(copies, own, strict=True):
+                dst.copy_(src)
+            return time.perf_counter() - start, sum(t.nbytes for t in own)
+
+        def dcp_save(rnd: int) -> tuple[float, int]:
+            path = directory / "dcp" / f"save-{rnd}"
+            start = time.perf_counter()
+            state_dict_saver.save(state, storage_writer=FileSystemWriter(path))
+            return time.perf_counter() - start, dcp_bytes(path)
+
+        def dcp_load(rnd: int) -> tuple[float, int]:
+            start = time.perf_counter()
+            state_dict_loader.load(state, storage_reader=FileSystemReader(directory / "dcp" / f"save-{rnd}"))
+            return time.perf_counter() - start, state_bytes
+
+        def dcp_async(rnd: int) -> tuple[float, int]:
+            path = directory / "dcp" / f"async-{rnd}"
+            start = time.perf_counter()
+            response = state_dict_saver.async_save(state, storage_writer=FileSystemWriter(path))
+            blocked = time.perf_counter() - start
+            if isinstance(response, state_dict_saver.AsyncSaveResponse):  # other stager types
+                response.upload_completion.result()
+            else:
+                response.result()
+            return blocked, dcp_bytes(path)
+
+        # each save is followed by its load, so a load always reads the round's own checkpoint
+        groups = [
+            [("tiersave-save", tiersave_save), ("tiersave-load", tiersave_load)],
+            [("tiersave-async", tiersave_async)],
+        ]
+        groups.append([("memcpy", memcpy)])
+        if opts["dcp"]:
+            groups.append([("dcp-save", dcp_save), ("dcp-load", dcp_load)])
+        if opts["dcp_async"]:
+            groups.append([("dcp-async", dcp_async)])
+        for rnd in range(opts["warmup"] + opts["rounds"]):
+            k = rnd % len(groups)
+            row: dict[str, Any] = {}
+            for group in groups[k:] + groups[:k]:
+                for name, run in group:
+                    cold(directory)
+                    seconds, nbytes = run(rnd)
+                    row[name] = (seconds, nbytes)
+            if rnd >= opts["warmup"]:  # the first saves allocate the staging arena: not the steady state
+                queue.put(("ok", rank, rnd - opts["warmup"], row))
+            barrier.wait(_TIMEOUT_S)
+            if rank == 0:
+                shutil.rmtree(directory / "dcp", ignore_errors=True)
+
+
 def run_ranks(config: BenchConfig, calibration: Any) -> dict[str, Any]:
-    """Run tiersave (io=auto) in ``config.ranks`` processes; per-rank and job figures, per round.
+    """Run the collective benchmark in ``config.ranks`` processes; per round and method, every rank's figures
+    and the job's (slowest rank, lowest rank's throughput); a summary of medians over the rounds.
 
     Raises:
         ConfigError: a rank failed (its error is in the message).
     """
+    import socket
+
     from ..errors import ConfigError
 
     ctx = mp.get_context("spawn")  # a clean interpreter per rank: no inherited threads or locks
@@ -88,27 +184,26 @@ def run_ranks(config: BenchConfig, calibration: Any) -> dict[str, Any]:
     barrier = ctx.Barrier(world)
     queue = ctx.Queue()
     directory = config.directory / "ranks"
+    shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = {
+        "directory": str(directory),
+        "model": config.model,
+        "size_bytes": config.size_bytes,
+        "seed": config.seed,
+        "replicated": config.replicated,
+        "io_threads": config.io_threads,
+        "drop_caches": config.drop_caches,
+        "rounds": config.checkpoints,
+        "warmup": config.warmup,
+        "dcp": "dcp" in config.peers,
+        "dcp_async": "dcp-async" in config.peers,
+    }
     procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(
-                r,
-                world,
-                str(directory),
-                config.model,
-                config.size_bytes,
-                config.io_threads,
-                config.checkpoints,
-                config.warmup,
-                config.drop_caches,
-                calibration,
-                config.seed,
-                barrier,
-                queue,
-            ),
-            daemon=True,
-        )
+        ctx.Process(target=_rank_main, args=(r, world, port, opts, calibration, barrier, queue), daemon=True)
         for r in range(world)
     ]
     for p in procs:
@@ -129,33 +224,70 @@ def run_ranks(config: BenchConfig, calibration: Any) -> dict[str, Any]:
         else:
             reports.append(item)
     for p in procs:
-        p.join(timeout=30)
+        p.join(timeout=60)
         if p.is_alive():
             p.terminate()
+            p.join(timeout=10)
     if not config.keep:
-        import shutil
-
         shutil.rmtree(directory, ignore_errors=True)
     if errors or len(reports) < expected:
         raise ConfigError("multi-rank benchmark failed: " + ("; ".join(errors) or "a rank exited early"))
-    rounds = []
-    for rnd in range(config.checkpoints):
-        rows = sorted((r for r in reports if r[2] == rnd), key=lambda r: r[1])
-        total = sum(r[3] for r in rows)
-        slow_save = max(r[4] for r in rows)
-        slow_load = max(r[5] for r in rows)
-        rounds.append(
-            {
-                "bytes": total,
-                "per_rank": [
-                    {"rank": r[1], "bytes": r[3], "save_s": round(r[4], 6), "load_s": round(r[5], 6)} for r in rows
-                ],
-                "slowest_save_s": round(slow_save, 6),
-                "slowest_load_s": round(slow_load, 6),
-                "save_gbps": total / slow_save / 1e9,
-                "load_gbps": total / slow_load / 1e9,
-                "lowest_rank_save_gbps": min(r[3] / r[4] for r in rows) / 1e9,
-                "lowest_rank_load_gbps": min(r[3] / r[5] for r in rows) / 1e9,
-            }
+    rounds = [_round([r for r in reports if r[2] == rnd]) for rnd in range(config.checkpoints)]
+    return {"ranks": world, "replicated": config.replicated, "rounds": rounds, "summary": _summary(rounds)}
+
+
+def _round(reports: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """One round: per method, every rank's seconds and bytes, the slowest rank, the job's and the lowest
+    rank's throughput (the keys of tiersave's save and load kept at the top for older readers)."""
+    rows = sorted(reports, key=lambda r: r[1])
+    methods: dict[str, Any] = {}
+    for name in rows[0][3]:
+        per_rank = [{"rank": r[1], "seconds": round(r[3][name][0], 6), "bytes": r[3][name][1]} for r in rows]
+        slowest = max(x["seconds"] for x in per_rank)
+        total = sum(x["bytes"] for x in per_rank)
+        methods[name] = {
+            "per_rank": per_rank,
+            "bytes": total,
+            "slowest_s": slowest,
+            "gbps": total / slowest / 1e9 if slowest > 0 else None,
+            "lowest_rank_gbps": min(x["bytes"] / x["seconds"] for x in per_rank if x["seconds"] > 0) / 1e9,
+        }
+    save, load = methods["tiersave-save"], methods["tiersave-load"]
+    return {
+        "methods": methods,
+        "bytes": save["bytes"],
+        "slowest_save_s": save["slowest_s"],
+        "slowest_load_s": load["slowest_s"],
+        "save_gbps": save["gbps"],
+        "load_gbps": load["gbps"],
+        "lowest_rank_save_gbps": save["lowest_rank_gbps"],
+        "lowest_rank_load_gbps": load["lowest_rank_gbps"],
+    }
+
+
+def _summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds of each method's slowest rank, and the ratios the targets are stated in:
+    DCP's slowest rank over tiersave's (save, load), and the worst rank's async blocked time over its memcpy."""
+
+    def median(method: str) -> float | None:
+        values = [r["methods"][method]["slowest_s"] for r in rounds if method in r["methods"]]
+        return statistics.median(values) if values else None
+
+    slowest = {m: median(m) for m in rounds[0]["methods"]}
+    out: dict[str, Any] = {"slowest_s": slowest}
+    for what, ours, theirs in (
+        ("save_vs_dcp", "tiersave-save", "dcp-save"),
+        ("load_vs_dcp", "tiersave-load", "dcp-load"),
+    ):
+        a, b = slowest.get(ours), slowest.get(theirs)
+        out[what] = b / a if a and b else None
+    blocked = [
+        max(
+            m["per_rank"][i]["seconds"] / max(r["methods"]["memcpy"]["per_rank"][i]["seconds"], 1e-9)
+            for i in range(len(m["per_rank"]))
         )
-    return {"ranks": world, "rounds": rounds}
+        for r in rounds
+        for m in [r["methods"]["tiersave-async"]]
+    ]
+    out["async_blocked_vs_memcpy"] = statistics.median(blocked)
+    return out

@@ -11,7 +11,7 @@ Procedure (in the spirit of the MLPerf Storage checkpointing workload):
    warm-up exists because a job's first save allocates staging memory that later saves reuse, and on a
    virtual machine that hands freed memory back to its host (virtio-balloon free page reporting), new
    memory costs 1-3 GB/s of page faults: a first round would measure the allocator, not the storage.
-4. Optionally (``ranks > 1``) tiersave alone in ``ranks`` processes, each saving and restoring its share.
+4. Optionally (``ranks > 0``) one collective checkpoint in ``ranks`` processes, tiersave next to DCP.
 
 Every loaded state is spot-checked against the saved one outside the timed region.
 """
@@ -197,7 +197,7 @@ def run_bench(config: BenchConfig, *, progress: ProgressFn | None = None) -> Ben
     methods += [make_peer(p) for p in config.peers]
     steps_per_round = (1 if config.raw else 0) + sum(1 + len(m.load_variants) for m in methods)
     rounds = config.warmup + config.checkpoints
-    total = steps_per_round * rounds + (2 if config.ranks > 1 else 0) + 1
+    total = steps_per_round * rounds + (2 if config.ranks > 0 else 0) + 1
     done = 0
 
     def tick(label: str) -> None:
@@ -250,7 +250,7 @@ def run_bench(config: BenchConfig, *, progress: ProgressFn | None = None) -> Ben
         for m in methods:
             m.close()
     ranks_result = None
-    if config.ranks > 1:
+    if config.ranks > 0:
         tick(f"{config.ranks} ranks: tiersave save")
         ranks_result = run_ranks(config, cal)
         tick(f"{config.ranks} ranks: done")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,8 +24,8 @@ examples:
   tiersave bench /work/bench --model llama3-8b --size 3GB --checkpoints 2 --plot bench.png
   # tiersave alone (no peers), auto mode only, as JSON
   tiersave bench /scratch/b --size 1GB --io auto --peers none --json
-  # two ranks, each saving half of the state
-  tiersave bench /scratch/b --size 2GB --ranks 2
+  # one checkpoint saved by 4 ranks, next to DCP; --replicated: each rank holds the whole state (DDP)
+  tiersave bench /scratch/b --size 3GB --io auto --peers dcp,dcp-async --no-raw --ranks 4 --replicated
 
 Reads are cold: every file is fsync-ed and evicted with posix_fadvise(DONTNEED) before each timed
 operation, and as root the page cache is dropped as well (--no-drop-caches to skip that).
@@ -90,7 +91,16 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--threads", type=positive_int, metavar="N", help="tiersave I/O threads (default TIERSAVE_IO_THREADS)"
     )
-    p.add_argument("--ranks", type=positive_int, default=1, metavar="N", help="also run tiersave in N processes")
+    p.add_argument(
+        "--ranks",
+        type=positive_int,
+        default=0,
+        metavar="N",
+        help="also save one checkpoint from N processes (gloo), next to DCP's save, load and async_save",
+    )
+    p.add_argument(
+        "--replicated", action="store_true", help="with --ranks: every rank holds the whole state, declared replicated"
+    )
     p.add_argument("--no-raw", action="store_true", help="skip the raw device measurement")
     p.add_argument("--no-drop-caches", action="store_true", help="evict with fadvise only, never drop_caches")
     p.add_argument("--recalibrate", action="store_true", help="measure the auto policy's calibration again")
@@ -146,6 +156,7 @@ def _bench(args: argparse.Namespace, out: Output) -> int:
         drop_caches=not args.no_drop_caches,
         recalibrate=args.recalibrate,
         ranks=args.ranks,
+        replicated=args.replicated,
         seed=args.seed,
         keep=args.keep,
     )
@@ -217,13 +228,7 @@ def render_text(data: dict[str, Any]) -> str:
         ),
     ]
     if data.get("ranks"):
-        for i, rnd in enumerate(data["ranks"]["rounds"]):
-            lines.append(
-                f"{data['ranks']['ranks']} ranks, round {i + 1}: save {rnd['save_gbps']:.2f} GB/s "
-                f"(slowest rank {rnd['slowest_save_s']:.2f} s, lowest rank {rnd['lowest_rank_save_gbps']:.2f} GB/s), "
-                f"restore {rnd['load_gbps']:.2f} GB/s (slowest rank {rnd['slowest_load_s']:.2f} s, "
-                f"lowest rank {rnd['lowest_rank_load_gbps']:.2f} GB/s)"
-            )
+        lines += _render_ranks(data["ranks"])
     lines += ["", f"ratios ({s['main']}):"]
     for key, value in s["ratios"].items():
         if value is not None:
@@ -237,3 +242,29 @@ def render_text(data: dict[str, Any]) -> str:
     for note in data.get("notes") or []:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def _render_ranks(ranks: dict[str, Any]) -> list[str]:
+    """The multi-rank phase: per method, the median over rounds of the slowest rank, and the ratios."""
+    layout = "the whole state on every rank, declared replicated" if ranks.get("replicated") else "a 1/N share each"
+    lines = ["", f"{ranks['ranks']} rank(s), one checkpoint per save ({layout}); job figures set by the slowest rank:"]
+    rows = []
+    order = ["tiersave-save", "dcp-save", "tiersave-load", "dcp-load", "tiersave-async", "dcp-async", "memcpy"]
+    slowest = ranks["summary"]["slowest_s"]
+    for name in sorted(slowest, key=lambda m: order.index(m) if m in order else len(order)):
+        seconds = slowest[name]
+        per_round = [r["methods"][name] for r in ranks["rounds"]]
+        rows.append(
+            [
+                name,
+                _fmt(seconds, ".3f"),
+                _fmt(statistics.median(m["bytes"] for m in per_round) / 1e9, ".2f"),
+                _fmt(statistics.median(m["gbps"] for m in per_round)),
+                _fmt(statistics.median(m["lowest_rank_gbps"] for m in per_round)),
+            ]
+        )
+    lines.append(table(["method", "slowest rank s", "GB (all ranks)", "job GB/s", "lowest rank GB/s"], rows))
+    s = ranks["summary"]
+    keys = ("save_vs_dcp", "load_vs_dcp", "async_blocked_vs_memcpy")
+    lines += [f"  {key:28s} {s[key]:.2f}x" for key in keys if s.get(key) is not None]
+    return lines
