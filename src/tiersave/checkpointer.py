@@ -48,6 +48,7 @@ from .format.layout import MAX_CHUNK_BYTES
 from .handle import SaveHandle
 from .planner.schedule import SaveCost, Schedule, parse_schedule
 from .policy import RetentionPolicy
+from .references import check_incremental
 from .restore import RestoreReport, restore_from
 from .saving import PendingSave, Saver, SaveRequest
 from .storage.base import Storage
@@ -81,6 +82,8 @@ class Checkpointer:
             coordination runs on a gloo group of its own, never the training's; pass a gloo group to use it.
         coordination_timeout_s: how long a collective save or restore waits for the other ranks before it
             fails with ``DistributedCheckpointError`` naming the ranks that did not answer.
+        incremental, full_every: reference the first tier's shards equal to the newest checkpoint's instead of
+            writing them; every ``full_every`` saves a full one (docs/format.md section 9; one process only).
 
     Thread safety: one thread calls ``save``/``restore`` at a time; listing methods may be called from
     any thread. Use as a context manager or call ``close()``.
@@ -103,6 +106,8 @@ class Checkpointer:
         event_log: bool = True,
         process_group: Any = None,
         coordination_timeout_s: float = 600.0,
+        incremental: bool = False,
+        full_every: int | None = None,
     ) -> None:
         threads, chunk = _check_options(keep_last, io_threads, chunk_bytes, max_shard_bytes, on_busy, exit_timeout_s)
         self._collective = join(process_group, coordination_timeout_s)
@@ -138,6 +143,7 @@ class Checkpointer:
             pool=self._pool,
             log_event=self._chain.log,
             group=self._collective.group if self._collective is not None else None,
+            incremental=check_incremental(incremental, full_every),
         )
         self._lock = threading.Lock()
         self._last: SaveHandle | None = None
