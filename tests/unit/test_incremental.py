@@ -245,3 +245,20 @@ def test_any_sequence_of_saves_and_prunes_restores_every_kept_checkpoint(tmp_pat
         for s in kept:
             assert_same(ckpt.restore(s), saved[s])
             assert ckpt.verify(s).ok
+
+
+def test_inspect_shows_bytes_written_and_referenced(root, capsys):
+    state = lora_state()
+    with tiersave.Checkpointer(root, incremental=True) as ckpt:
+        for step in (1, 2):
+            train_step(state)
+            ckpt.save(step, state).result()
+    assert cli(["inspect", str(root), "--step", "2"]) == 0
+    text = capsys.readouterr().out
+    m = manifest(root, 2)
+    assert "format 2.0" in text and "referenced (held by step 1)" in text
+    assert cli(["inspect", str(root), "--step", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["referenced_bytes"] == m.referenced_bytes > 0
+    assert doc["written_bytes"] == m.stored_bytes - m.referenced_bytes
+    assert doc["referenced_steps"] == [1]
