@@ -2,7 +2,8 @@
 
 Every write unit of a save (one checksum chunk of a large tensor, or a group of small tensors) is one *piece*
 of its shard. On the writer threads, right where the CRC-32C is computed, :meth:`Increment.skip` hashes the
-piece with BLAKE2b-256 (``hashlib`` releases the GIL over large buffers, so the hashes run in parallel) and,
+piece with SHA-256 (``hashlib``: SHA-NI where the CPU has it, and it releases the GIL over large buffers, so
+the hashes run in parallel) and,
 when the base checkpoint's shard at the same place holds the same tensors and a piece with the same length and
 hash, the piece is not written. :meth:`Increment.settle` then turns each shard whose every piece matched into a
 reference to the base's shard, and fills the few skipped pieces of a shard that matched only in part from the
@@ -25,12 +26,16 @@ from ..format.layout import step_dirname
 from ..format.manifest import Manifest, ShardInfo
 from ..storage.base import BlobWriter, Storage
 
-DIGEST_BYTES = 32
-
 
 class Unit(Protocol):
     """What this module reads of ``pipeline.Unit`` (a protocol: the pipeline imports this module)."""
 
+    @property
+    def tensor(self) -> int: ...
+    @property
+    def chunk(self) -> int: ...
+    @property
+    def end(self) -> int: ...
     @property
     def shard(self) -> int: ...
     @property
@@ -68,9 +73,9 @@ class SavePlan(Protocol):
 _Signature = tuple[int, tuple[tuple[int, str, str, tuple[int, ...]], ...], tuple[int, ...]]
 
 
-def blake2b_hex(pieces: Sequence[memoryview]) -> str:
-    """BLAKE2b-256 of the concatenation of ``pieces``, as 64 lowercase hex digits."""
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+def sha256_hex(pieces: Sequence[memoryview]) -> str:
+    """SHA-256 of the concatenation of ``pieces``, as 64 lowercase hex digits."""
+    h = hashlib.sha256()
     for piece in pieces:
         h.update(piece)
     return h.hexdigest()
@@ -136,7 +141,7 @@ class Increment:
         """Hash unit ``u`` (its staged, padded bytes at ``segments`` of ``view``); True when the base holds an
         equal piece at the same place, so the unit need not be written."""
         k = self._piece[(u.shard, u.file_offset)]
-        digest = blake2b_hex([view[pos : pos + n] for pos, n in segments])
+        digest = sha256_hex([view[pos : pos + n] for pos, n in segments])
         self.digests[u.shard][k] = digest
         match = self.matches[u.shard]
         if match is None or self.base is None:
@@ -145,6 +150,23 @@ class Increment:
             return False
         self.skipped[u.shard][k] = True
         return True
+
+    def take_crcs(self, u: Unit, crc1: list[str], crcs: dict[int, list[str]]) -> None:
+        """Record the CRC-32C of a skipped unit ``u``: the base's, whose bytes are the same (same tensors at
+        the same offsets, same SHA-256). ``crc1``/``crcs`` are the pipeline's tables (one-chunk tensors,
+        tensors of several chunks)."""
+        assert self.base is not None
+        names, tensors = self.plan.names, self.base.tensors
+        if u.end < 0:  # one chunk of one tensor
+            crc = tensors[names[u.tensor]].crc32c[u.chunk]
+            if u.tensor in crcs:
+                crcs[u.tensor][u.chunk] = crc
+            else:
+                crc1[u.tensor] = crc
+            return
+        for i in range(u.tensor, u.end):  # a group of small tensors, one chunk each (none when empty)
+            recorded = tensors[names[i]].crc32c
+            crc1[i] = recorded[0] if recorded else ""
 
     # -- the finishing thread -----------------------------------------------------------------------
 
@@ -177,10 +199,10 @@ class Increment:
                 if self.skipped[s][k]:
                     buf = memoryview(bytearray(n))
                     reader.read_into(offset, buf)
-                    if blake2b_hex([buf]) != self.digests[s][k]:
+                    if sha256_hex([buf]) != self.digests[s][k]:
                         raise CorruptCheckpointError(
                             f"step {self.base.step}: shard {source.file} changed since it was written (bytes "
-                            f"{offset}..{offset + n} no longer match their BLAKE2b); this incremental save "
+                            f"{offset}..{offset + n} no longer match their SHA-256); this incremental save "
                             "cannot reuse them",
                             step=self.base.step,
                             file=source.file,

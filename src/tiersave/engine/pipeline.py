@@ -424,7 +424,12 @@ class StagedWrite:
         try:
             if event is not None:
                 event.synchronize()
-            if u.is_group:
+            if self.increment is not None and self.increment.skip(u, segments, self._view):
+                # the same bytes as the base checkpoint's (by SHA-256): referenced, not written again, and their
+                # CRC-32C are the base's, so unchanged bytes are hashed once rather than hashed and checksummed
+                self.increment.take_crcs(u, self.crc1, self.crcs)
+                segments = []
+            elif u.is_group:
                 self._checksum_group(u, segments)
             else:
                 crc, seen = 0, 0
@@ -437,8 +442,6 @@ class StagedWrite:
                     self.crcs[u.tensor][u.chunk] = f"{crc:08x}"
                 else:
                     self.crc1[u.tensor] = f"{crc:08x}"
-            if self.increment is not None and self.increment.skip(u, segments, self._view):
-                segments = []  # the same bytes as the base checkpoint's: referenced, not written again
             offset = u.file_offset
             writer = self.writers[u.shard]
             for pos, n in segments:

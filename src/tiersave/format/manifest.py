@@ -8,7 +8,7 @@ without that field (:func:`seal`). It is checked right after the JSON is parsed,
 so a flipped bit in a scalar, a string, a dtype or a tensor reference is caught like a flipped bit in a
 shard. It detects damage, not forgery: whoever can rewrite a manifest can recompute its hash.
 
-Content hashes (1.2) and shard references (2.0), docs/format.md section 9: a shard may carry the BLAKE2b-256
+Content hashes (1.2) and shard references (2.0), docs/format.md section 9: a shard may carry the SHA-256
 of its pieces (``ShardInfo.content``) and may live in an earlier step's directory (``ShardInfo.step``). The
 version written follows from what the shards use (:func:`version_for`), so a plain checkpoint stays 1.1.
 """
@@ -71,7 +71,7 @@ _TENSOR_FIELDS = frozenset({"dtype", "shape", "shard", "offset", "nbytes", "crc3
 class ShardInfo:
     """One shard file of a checkpoint.
 
-    ``content`` is the shard cut into pieces, each ``(length, BLAKE2b-256 hex)`` (empty: not hashed).
+    ``content`` is the shard cut into pieces, each ``(length, SHA-256 hex)`` (empty: not hashed).
     ``step`` is None for a shard in the checkpoint's own directory, else the earlier step whose directory
     holds ``file`` (a reference, format 2.0).
     """
@@ -426,12 +426,12 @@ class _Checker:
 
     def content(self, raw: Any, size: int, what: str) -> tuple[tuple[int, str], ...]:
         if not isinstance(raw, list):
-            raise self.fail(f"{what} must be an array of [bytes, blake2b] pairs")
+            raise self.fail(f"{what} must be an array of [bytes, sha256] pairs")
         pieces = []
         for piece in raw:
             ok = isinstance(piece, list) and len(piece) == 2 and isinstance(piece[1], str)
             if not ok or not _SHA256_HEX.match(piece[1]):
-                raise self.fail(f"{what} must be an array of [bytes, 64-hex-digit blake2b] pairs")
+                raise self.fail(f"{what} must be an array of [bytes, 64-hex-digit sha256] pairs")
             n = self.int_field(piece[0], f"{what} piece length", lo=ALIGN)
             if n % ALIGN:
                 raise self.fail(f"{what} piece length {n} is not a multiple of {ALIGN}")
