@@ -52,6 +52,16 @@ def snapshot(state: dict) -> dict:
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
+def save_chain(root: Path, steps: tuple[int, ...]) -> dict:
+    """Incremental saves of a training LoRA-like state at ``steps``; returns the state as last saved."""
+    state = lora_state()
+    with tiersave.Checkpointer(root, incremental=True) as ckpt:
+        for step in steps:
+            train_step(state)
+            ckpt.save(step, state).result()
+    return state
+
+
 def manifest(root: Path | str, step: int) -> Manifest:
     return Catalog(open_storage(str(root))).manifest(step)
 
@@ -111,11 +121,7 @@ def test_retention_keeps_referenced_steps_until_no_kept_checkpoint_needs_them(ro
 
 
 def test_a_corrupt_referenced_shard_is_detected_in_every_checkpoint_using_it(root):
-    state = lora_state()
-    with tiersave.Checkpointer(root, incremental=True) as ckpt:
-        for step in (1, 2, 3):
-            train_step(state)
-            ckpt.save(step, state).result()
+    save_chain(root, (1, 2, 3))
     shard = root / "step-0000000001" / "shard-00000-000.bin"
     with shard.open("r+b") as f:
         f.seek(12345)
@@ -132,11 +138,7 @@ def test_a_corrupt_referenced_shard_is_detected_in_every_checkpoint_using_it(roo
 
 
 def test_a_missing_referenced_step_is_a_clear_error(root):
-    state = lora_state()
-    with tiersave.Checkpointer(root, incremental=True) as ckpt:
-        for step in (1, 2):
-            train_step(state)
-            ckpt.save(step, state).result()
+    save_chain(root, (1, 2))
     (root / "step-0000000001" / "shard-00000-000.bin").unlink()
     with tiersave.Checkpointer(root) as ckpt, pytest.raises(tiersave.CorruptCheckpointError) as info:
         ckpt.restore(2)
@@ -157,11 +159,7 @@ def test_a_partly_changed_tensor_is_written_whole_from_the_base(root):
 
 
 def test_copy_of_an_incremental_checkpoint_is_self_contained(root, tmp_path):
-    state = lora_state()
-    with tiersave.Checkpointer(root, incremental=True) as ckpt:
-        for step in (1, 2):
-            train_step(state)
-            ckpt.save(step, state).result()
+    state = save_chain(root, (1, 2))
     dst = tmp_path / "copy"
     assert cli(["copy", str(root), str(dst), "--step", "2"]) == 0
     copied = manifest(dst, 2)
@@ -248,11 +246,7 @@ def test_any_sequence_of_saves_and_prunes_restores_every_kept_checkpoint(tmp_pat
 
 
 def test_inspect_shows_bytes_written_and_referenced(root, capsys):
-    state = lora_state()
-    with tiersave.Checkpointer(root, incremental=True) as ckpt:
-        for step in (1, 2):
-            train_step(state)
-            ckpt.save(step, state).result()
+    save_chain(root, (1, 2))
     assert cli(["inspect", str(root), "--step", "2"]) == 0
     text = capsys.readouterr().out
     m = manifest(root, 2)
