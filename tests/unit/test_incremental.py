@@ -256,3 +256,14 @@ def test_inspect_shows_bytes_written_and_referenced(root, capsys):
     assert doc["referenced_bytes"] == m.referenced_bytes > 0
     assert doc["written_bytes"] == m.stored_bytes - m.referenced_bytes
     assert doc["referenced_steps"] == [1]
+
+
+def test_export_resolves_references(root, tmp_path):
+    from safetensors.torch import load_file
+
+    state = save_chain(root, (1, 2))
+    out = tmp_path / "two.safetensors"
+    assert cli(["export", str(root), "--step", "2", "--to", str(out)]) == 0
+    exported = load_file(out)
+    for name in ("base", "head", "lora_a", "lora_b"):
+        assert torch.equal(exported[name], state[name]), name
