@@ -291,12 +291,15 @@ class Catalog:
             self._cache[step] = manifest
         return manifest
 
-    def pin_newest(self) -> Manifest | None:
-        """The newest committed checkpoint's manifest, pinned against this catalog's retention until
-        ``pins.unpin(step)``; None when there is none (or it cannot be read, or it is being deleted)."""
-        steps = self.steps()
-        if not steps:
-            return None
+    def pin(self, step: int | None = None) -> Manifest | None:
+        """The manifest of ``step`` (default: the newest committed checkpoint, found by listing the root),
+        pinned against this catalog's retention until ``pins.unpin(step)``; None when there is none (or it
+        cannot be read, or it is being deleted)."""
+        if step is None:
+            steps = self.steps()
+            if not steps:
+                return None
+            step = steps[-1]
 
         def read(step: int) -> Manifest | None:
             try:
@@ -304,7 +307,7 @@ class Catalog:
             except (FormatError, CheckpointNotFoundError):
                 return None
 
-        return self.pins.pin(steps[-1], read)
+        return self.pins.pin(step, read)
 
     def remember(self, manifest: Manifest) -> CheckpointInfo:
         """Cache the manifest of a checkpoint this process just committed, and return its info."""

@@ -19,8 +19,10 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from .errors import ConfigError, SaveError
+from .format.layout import MANIFEST_NAME, step_dirname
 from .format.manifest import Manifest
+from .storage.base import Storage
 
 CHAIN_STAT = "incremental_chain"
 """The manifest ``stats`` key counting the incremental saves since the last full one (0 for a full one)."""
@@ -68,6 +70,23 @@ def referenced(manifests: Iterable[Manifest]) -> set[int]:
     for manifest in manifests:
         out |= manifest.referenced_steps
     return out
+
+
+def check_holders(storage: Storage, manifest: Manifest) -> None:
+    """Before an incremental save commits: every step it references is still committed.
+
+    The pin protects the base from this process's retention only; this catches another process's prune (or a
+    person) having deleted it meanwhile, so that such a save fails instead of committing dangling references.
+
+    Raises:
+        SaveError: a referenced step is gone.
+    """
+    for step in sorted(manifest.referenced_steps):
+        if not storage.exists(f"{step_dirname(step)}/{MANIFEST_NAME}"):
+            raise SaveError(
+                f"step {manifest.step}: step {step}, whose shards this incremental save references, was deleted "
+                f"from {storage.uri} while the save was running; nothing was committed"
+            )
 
 
 class Pins:

@@ -28,12 +28,12 @@ from .collective import check_shards_visible, merge_parts, rank_part
 from .engine.increment import Increment
 from .engine.pipeline import GROUP_BYTES, StagedWrite, Written, plan_save
 from .engine.stage import HostCopier, StagingArena, needs_pinned
-from .errors import ConfigError, DistributedCheckpointError, FormatError
+from .errors import ConfigError, DistributedCheckpointError, FormatError, SaveError
 from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
 from .format.layout import MAX_STEP, align_up, is_valid_tag, shard_filename
 from .format.manifest import Manifest
 from .handle import SaveHandle
-from .references import CHAIN_STAT, Incremental, chain_of, wants_full
+from .references import CHAIN_STAT, Incremental, chain_of, check_holders, wants_full
 from .state import flatten
 from .storage.base import Storage
 from .tiers import TierRuntime
@@ -154,6 +154,8 @@ class Saver:
         self.staging_step: int | None = None  # the step being staged on the caller's thread, if any
         self.abandoned_prefix: str | None = None  # the prefix of the last save that failed while staging
         self.last_total_s = 0.0  # the last committed save's time from start to commit
+        self.last_step: int | None = None  # the last step this Saver committed: the next incremental base
+        self.force_full = False  # the next incremental save writes everything (its base lost a referenced step)
 
     def close(self, *, release_memory: bool) -> None:
         self.copier.close()
@@ -261,7 +263,10 @@ class Saver:
     def _pin_base(self, step: int, full_every: int | None) -> Manifest | None:
         """The checkpoint an incremental save of ``step`` references, pinned until the save settles; None
         for a full save (none yet, or ``full_every`` reached)."""
-        base = self.catalog.pin_newest()
+        if self.force_full:
+            self.force_full = False
+            return None
+        base = self.catalog.pin(self.last_step)  # after the first save, no listing on the caller's thread
         if base is not None and (base.step >= step or wants_full(base, full_every)):
             self.catalog.pins.unpin(base.step)
             return None
@@ -336,9 +341,18 @@ class Saver:
             metadata=request.metadata,
             stats=stats.to_json(),
         )
+        if p.base is not None:
+            try:
+                check_holders(self.storage, manifest)
+            except SaveError:
+                self.last_step = None  # the base's chain is broken: the next save lists the root, and is full
+                self.force_full = True
+                raise
         self.commit.commit(p.prefix, request.step, manifest.to_json())
         p.manifest = manifest  # only now: a failed commit leaves nothing visible, and is cleaned up
         stats.commit_s = time.perf_counter() - t_commit
+        if self.incremental is not None:
+            self.last_step = request.step
 
     def _vote(self, p: PendingSave, written: Written) -> None:
         """Collective save: vote yes with this rank's part; rank 0 merges the parts and commits if all voted

@@ -267,3 +267,19 @@ def test_export_resolves_references(root, tmp_path):
     exported = load_file(out)
     for name in ("base", "head", "lora_a", "lora_b"):
         assert torch.equal(exported[name], state[name]), name
+
+
+def test_a_referenced_step_deleted_by_another_process_fails_the_save_and_the_next_one_is_full(root):
+    state = lora_state()
+    with tiersave.Checkpointer(root, incremental=True) as ckpt:
+        for step in (1, 2):
+            train_step(state)
+            ckpt.save(step, state).result()
+        Catalog(open_storage(str(root))).delete(1)  # as a prune in another process would, unaware of 2's needs
+        train_step(state)
+        with pytest.raises(tiersave.SaveError, match="step 3: step 1, whose shards this incremental save references"):
+            ckpt.save(3, state).result()
+        assert [i.step for i in ckpt.list()] == [2]
+        ckpt.save(4, state).result()
+        assert manifest(root, 4).referenced_steps == set()
+        assert_same(ckpt.restore(4), state)
