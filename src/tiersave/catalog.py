@@ -43,6 +43,7 @@ from .format.layout import (
 )
 from .format.manifest import Manifest, TensorEntry
 from .policy import KeepLast, RetentionPolicy, plan_retention
+from .references import Pins, referenced
 from .storage.base import BlobReader, Storage
 
 log = logging.getLogger(__name__)
@@ -191,19 +192,21 @@ class OpenCheckpoint:
             reader = self._readers.get(shard)
             if reader is None:
                 info = self.manifest.shards[shard]
-                key = f"{self.prefix}/{info.file}"
+                key = info.key(self.prefix)
+                held = f" (referenced in step {info.step})" if info.step is not None else ""
                 try:
                     reader = self.storage.open_reader(key)
                 except ObjectNotFoundError:
+                    where = self.storage.uri.rstrip("/") + "/" + key.rsplit("/", 1)[0] if held else self.location
                     raise CorruptCheckpointError(
-                        f"step {self.step}: shard {info.file} is missing from {self.location}",
+                        f"step {self.step}: shard {info.file}{held} is missing from {where}",
                         step=self.step,
                         file=info.file,
                     ) from None
                 if reader.size != info.size:
                     reader.close()
                     raise CorruptCheckpointError(
-                        f"step {self.step}: shard {info.file} is {reader.size} bytes, the manifest says "
+                        f"step {self.step}: shard {info.file}{held} is {reader.size} bytes, the manifest says "
                         f"{info.size} (truncated, extended or replaced)",
                         step=self.step,
                         file=info.file,
@@ -246,6 +249,7 @@ class Catalog:
         self.storage = storage
         self._cache: dict[int, Manifest] = {}
         self._lock = threading.Lock()
+        self.pins = Pins()  # bases of this process's unfinished incremental saves: retention keeps them
 
     # -- listing ----------------------------------------------------------------------------------
 
@@ -286,6 +290,24 @@ class Catalog:
         with self._lock:
             self._cache[step] = manifest
         return manifest
+
+    def pin(self, step: int | None = None) -> Manifest | None:
+        """The manifest of ``step`` (default: the newest committed checkpoint, found by listing the root),
+        pinned against this catalog's retention until ``pins.unpin(step)``; None when there is none (or it
+        cannot be read, or it is being deleted)."""
+        if step is None:
+            steps = self.steps()
+            if not steps:
+                return None
+            step = steps[-1]
+
+        def read(step: int) -> Manifest | None:
+            try:
+                return self.manifest(step)
+            except (FormatError, CheckpointNotFoundError):
+                return None
+
+        return self.pins.pin(step, read)
 
     def remember(self, manifest: Manifest) -> CheckpointInfo:
         """Cache the manifest of a checkpoint this process just committed, and return its info."""
@@ -476,11 +498,17 @@ class Catalog:
             infos = [info for _, info, _ in self.entries() if info is not None]
             # unreadable manifests are never deleted by retention: a person should look at them
             doomed = list(plan_retention(infos, chosen, protected=protected).delete)
+        pinned, generation = self.pins.pinned()
+        doomed = self._unreferenced(doomed, pinned)
         found = self.leftovers() if leftovers else []
         removable = [n for n, s in found if s == "dead" or (s == "unknown" and force)]
         if not dry_run:
-            for step in doomed:
-                self.delete(step)
+            for index, step in enumerate(doomed):
+                with self.pins.deleting(step, generation) as allowed:
+                    if not allowed:  # a save pinned a base since: its references may be among these
+                        doomed = doomed[:index]
+                        break
+                    self.delete(step)
             removable = self.clean_leftovers(force=force) if leftovers else []
         return PruneResult(
             deleted=doomed,
@@ -488,6 +516,26 @@ class Catalog:
             leftovers_removed=removable,
             live_saves=[n for n, s in found if s == "live"],
         )
+
+    def _unreferenced(self, doomed: list[int], pinned: Collection[int]) -> list[int]:
+        """``doomed`` less the pinned steps and the steps that a kept checkpoint references (docs/format.md
+        section 9). In a root of incremental saves, a kept manifest that cannot be read keeps every doomed
+        step: its references are unknown."""
+        if not doomed:
+            return doomed
+        doomed = [s for s in doomed if s not in pinned]
+        manifests, unreadable = [], False
+        for step in self.steps():
+            try:
+                manifests.append(self.manifest(step))
+            except CheckpointNotFoundError:
+                continue  # deleted meanwhile by someone else: it references nothing any more
+            except FormatError:
+                unreadable = unreadable or step not in doomed
+        if unreadable and any(s.content for m in manifests for s in m.shards):
+            return []
+        held = referenced(m for m in manifests if m.step not in doomed)
+        return [s for s in doomed if s not in held]
 
     def leftovers(self) -> list[tuple[str, str]]:
         """Leftovers of interrupted saves and deletes with their status: ``dead`` (interrupted), ``live``

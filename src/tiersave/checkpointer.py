@@ -49,6 +49,7 @@ from .handle import SaveHandle
 from .partial import Selection
 from .planner.schedule import SaveCost, Schedule, parse_schedule
 from .policy import RetentionPolicy
+from .references import check_incremental
 from .restore import RestoreReport, restore_from
 from .saving import PendingSave, Saver, SaveRequest
 from .storage.base import Storage
@@ -86,6 +87,8 @@ class Checkpointer:
         writer_lock: hold each tier's writer lock from the first save, ``prune`` or ``prepare`` until ``close()``
             (rank 0 only), so a second live writer of a root gets ``WriterLockedError`` naming this one; a
             restore never takes it. False (or ``TIERSAVE_WRITER_LOCK=0``): docs/guarantees.md.
+        incremental, full_every: reference the first tier's shards equal to the newest checkpoint's instead of
+            writing them; every ``full_every`` saves a full one (docs/format.md section 9; one process only).
 
     Thread safety: one thread calls save/restore at a time, listing from any. A context manager, or ``close()``.
     """
@@ -108,6 +111,8 @@ class Checkpointer:
         process_group: Any = None,
         coordination_timeout_s: float = 600.0,
         writer_lock: bool = True,
+        incremental: bool = False,
+        full_every: int | None = None,
     ) -> None:
         threads, chunk = _check_options(keep_last, io_threads, chunk_bytes, max_shard_bytes, on_busy, exit_timeout_s)
         self._collective = join(process_group, coordination_timeout_s)
@@ -143,6 +148,7 @@ class Checkpointer:
             pool=self._pool,
             log_event=self._chain.log,
             group=self._collective.group if self._collective is not None else None,
+            incremental=check_incremental(incremental, full_every),
         )
         self._lock = threading.Lock()
         self._roots = RootLocks(lambda: (t.storage for t in self._chain.tiers), enabled=writer_lock and not self._rank)
@@ -179,13 +185,7 @@ class Checkpointer:
             self._roots.release()
             _raise_unobserved(self._last)
         else:
-            pending = self._inflight
-            warnings.warn(
-                f"tiersave: the save of step {pending.step if pending else '?'} did not finish before close; "
-                f"it is not visible, the newest checkpoint in {self.storage.uri} is the previous one",
-                TiersaveWarning,
-                stacklevel=2,
-            )
+            _warn_unfinished(self._inflight, self.storage.uri)
         return finished
 
     def __enter__(self) -> Checkpointer:
@@ -275,12 +275,9 @@ class Checkpointer:
         Returns:
             The deleted steps (of every tier pruned).
         """
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ConfigError(f"keep_last must be a positive integer, got {keep_last!r}")
-        if (keep_last is None) == (policy is None):
-            raise ConfigError("give prune() either keep_last or policy")
+        chosen = _prune_policy(keep_last, policy)
         self._roots.hold()
-        return self._chain.prune(to_policy(keep_last if policy is None else policy), tier=tier)
+        return self._chain.prune(chosen, tier=tier)
 
     def prepare(self, state: Any) -> None:
         """Do now, before training starts, the one-time work the first save would otherwise pay: allocate
@@ -493,6 +490,24 @@ def _raise_unobserved(last: SaveHandle | None) -> None:
     if err is not None:
         last._observed = True
         raise SaveError(f"the save of step {last.step} failed and nobody observed it: {err}") from err
+
+
+def _warn_unfinished(pending: SaveHandle | None, uri: str) -> None:
+    warnings.warn(
+        f"tiersave: the save of step {pending.step if pending else '?'} did not finish before close; "
+        f"it is not visible, the newest checkpoint in {uri} is the previous one",
+        TiersaveWarning,
+        stacklevel=3,
+    )
+
+
+def _prune_policy(keep_last: int | None, policy: RetentionPolicy | str | None) -> RetentionPolicy | None:
+    """``prune()``'s arguments as one policy: exactly one of ``keep_last`` and ``policy``."""
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ConfigError(f"keep_last must be a positive integer, got {keep_last!r}")
+    if (keep_last is None) == (policy is None):
+        raise ConfigError("give prune() either keep_last or policy")
+    return to_policy(keep_last if policy is None else policy)
 
 
 def _staging_failed(handle: SaveHandle, exc: BaseException, saver: Saver, committer: DaemonThreadPool | None) -> None:

@@ -25,13 +25,15 @@ import torch
 
 from .catalog import CheckpointInfo
 from .collective import check_shards_visible, merge_parts, rank_part
-from .engine.pipeline import StagedWrite, Written, plan_save
+from .engine.increment import Increment
+from .engine.pipeline import GROUP_BYTES, StagedWrite, Written, plan_save
 from .engine.stage import HostCopier, StagingArena, needs_pinned
-from .errors import ConfigError, DistributedCheckpointError, FormatError
+from .errors import ConfigError, DistributedCheckpointError, FormatError, SaveError
 from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
 from .format.layout import MAX_STEP, align_up, is_valid_tag, shard_filename
 from .format.manifest import Manifest
 from .handle import SaveHandle
+from .references import CHAIN_STAT, Incremental, chain_of, check_holders, wants_full
 from .replicated import Selection, assign, check_declaration, normalize_keys, select
 from .state import FlatState, FlatTensor, flatten
 from .storage.base import Storage
@@ -108,6 +110,7 @@ class PendingSave:
     started: float
     started_wall: float
     replicated: Selection | None = None  # the replicated tensors of a collective save
+    base: int | None = None  # the step an incremental save references (pinned in the catalog until settled)
     manifest: Manifest | None = None  # set once committed (on rank 0 of a collective save)
     info: CheckpointInfo | None = None  # the committed checkpoint, as rank 0 described it (other ranks)
 
@@ -124,6 +127,8 @@ class Saver:
         log_event: records failed saves in the event log.
         group: the coordination group of a collective save (every rank saves its part of one checkpoint and
             rank 0 commits it once every rank voted yes), or None for a single process.
+        incremental: reference the shards equal to the newest committed checkpoint's instead of writing them
+            (docs/format.md section 9), with these options; None: write every save whole.
 
     Thread safety: :meth:`stage` on one caller thread at a time, :meth:`complete` on the commit thread.
     """
@@ -138,8 +143,12 @@ class Saver:
         pool: Executor,
         log_event: Callable[[dict[str, Any]], None],
         group: CoordinationGroup | None = None,
+        incremental: Incremental | None = None,
     ) -> None:
+        if group is not None and incremental is not None:
+            raise ConfigError("incremental=True is not supported in a collective Checkpointer yet")
         self.group = group
+        self.incremental = incremental
         self.rank = group.rank if group is not None else 0
         self.storage: Storage = tier.storage
         self.catalog = tier.catalog
@@ -154,6 +163,8 @@ class Saver:
         self.abandoned_prefix: str | None = None  # the prefix of the last save that failed while staging
         self.last_total_s = 0.0  # the last committed save's time from start to commit
         self.checked_replicated: set[tuple[str, ...]] = set()  # declarations whose fingerprints agreed
+        self.last_step: int | None = None  # the last step this Saver committed: the next incremental base
+        self.force_full = False  # the next incremental save writes everything (its base lost a referenced step)
 
     def close(self, *, release_memory: bool) -> None:
         self.copier.close()
@@ -206,6 +217,7 @@ class Saver:
         stats = handle.stats
         prefix: str | None = None
         job: StagedWrite | None = None
+        base: Manifest | None = None
         self.staging_step = request.step
         try:
             flat = flatten(state)
@@ -215,17 +227,31 @@ class Saver:
                 tensors,
                 chunk_bytes=self.chunk_for(sum(align_up(t.nbytes) for t in tensors)),
                 shard_file=lambda i: shard_filename(self.rank, i),
-                max_shard_bytes=self.max_shard_bytes,
+                max_shard_bytes=self._shard_cap(),
             )
             prefix = self.commit.begin(request.step, token)
             io_before = _io_bytes(self.storage)
+            increment = None
+            if self.incremental is not None:
+                base = self._pin_base(request.step, self.incremental.full_every)
+                increment = Increment(self.storage, plan, base)
+                stats.extra[CHAIN_STAT] = chain_of(base)
             job = StagedWrite(
-                self.storage, prefix, plan, [t.source for t in tensors], self.arena, self.pool, self.copier
+                self.storage,
+                prefix,
+                plan,
+                [t.source for t in tensors],
+                self.arena,
+                self.pool,
+                self.copier,
+                increment=increment,
             )
             job.stage(overlap=blocking)  # async: shortest stall; blocking: shortest time to durable
         except BaseException as exc:
             if job is not None:
                 job.abort()
+            if base is not None:
+                self.catalog.pins.unpin(base.step)
             if prefix is not None and self.group is None:  # a shared prefix: rank 0 removes it after the vote
                 self._abort_prefix(prefix)
             self.abandoned_prefix = prefix
@@ -244,7 +270,9 @@ class Saver:
         stats.num_tensors = len(tensors)
         stats.blocked_s = time.perf_counter() - started
         stats.extra["io_before"] = io_before
-        return PendingSave(handle, request, job, prefix, flat.tree, started, started_wall, selection)
+        pending = PendingSave(handle, request, job, prefix, flat.tree, started, started_wall, selection)
+        pending.base = base.step if base is not None else None
+        return pending
 
     def _select(self, state: Any, flat: FlatState, keys: tuple[str, ...]) -> tuple[Selection | None, list[FlatTensor]]:
         """The replicated part of a collective save, and the tensors this rank writes: its own and the
@@ -257,12 +285,38 @@ class Saver:
         owner = assign(selection.tensors, self.group.world_size)
         return selection, [t for t in flat.tensors if owner.get(t.name, self.rank) == self.rank]
 
+    def _shard_cap(self) -> int | None:
+        """``max_shard_bytes``; an incremental save also caps shards at one group of small tensors, so that
+        every large tensor has a shard of its own, which a later save can reference on its own."""
+        if self.incremental is None:
+            return self.max_shard_bytes
+        return min(self.max_shard_bytes or GROUP_BYTES, GROUP_BYTES)
+
+    def _pin_base(self, step: int, full_every: int | None) -> Manifest | None:
+        """The checkpoint an incremental save of ``step`` references, pinned until the save settles; None
+        for a full save (none yet, or ``full_every`` reached)."""
+        if self.force_full:
+            self.force_full = False
+            return None
+        base = self.catalog.pin(self.last_step)  # after the first save, no listing on the caller's thread
+        if base is not None and (base.step >= step or wants_full(base, full_every)):
+            self.catalog.pins.unpin(base.step)
+            return None
+        return base
+
     # -- commit thread ----------------------------------------------------------------------------
 
     def complete(self, p: PendingSave) -> bool:
         """Wait for the writes, make them durable and commit (``p.manifest`` is then set, on rank 0 of a
         collective save). Returns False after a failure, which is then stored on the handle (and in the event
         log) and leaves nothing visible."""
+        try:
+            return self._complete(p)
+        finally:
+            if p.base is not None:  # committed: its manifest now keeps the base; failed: nothing needs it
+                self.catalog.pins.unpin(p.base)
+
+    def _complete(self, p: PendingSave) -> bool:
         handle, stats = p.handle, p.handle.stats
         try:
             p.job.wait_staged()
@@ -272,6 +326,8 @@ class Saver:
             p.job.abort()
             return self._failed(p, self._vote_no(p.request.step, exc) if self.group is not None else exc)
         stats.write_s = time.perf_counter() - p.started - stats.flatten_s
+        if p.job.increment is not None:
+            stats.extra["referenced_bytes"] = p.job.increment.referenced_bytes
         before = stats.extra.pop("io_before", None)
         after = _io_bytes(self.storage)
         if before is not None and after is not None:  # bytes per I/O path (direct, buffered...)
@@ -317,9 +373,18 @@ class Saver:
             metadata=request.metadata,
             stats=stats.to_json(),
         )
+        if p.base is not None:
+            try:
+                check_holders(self.storage, manifest)
+            except SaveError:
+                self.last_step = None  # the base's chain is broken: the next save lists the root, and is full
+                self.force_full = True
+                raise
         self.commit.commit(p.prefix, request.step, manifest.to_json())
         p.manifest = manifest  # only now: a failed commit leaves nothing visible, and is cleaned up
         stats.commit_s = time.perf_counter() - t_commit
+        if self.incremental is not None:
+            self.last_step = request.step
 
     def _vote(self, p: PendingSave, written: Written) -> None:
         """Collective save: vote yes with this rank's part; rank 0 merges the parts and commits if all voted

@@ -172,6 +172,15 @@ def test_tensor_name_with_path_traversal_is_just_a_label(root):
 
 
 def test_unknown_major_version_is_a_clear_error(saved):
+    edit(saved, lambda d: d.update(format_version="3.0"))
+    msg = restore_error(saved, tiersave.UnsupportedFormatVersionError)
+    assert "written with format version 3.0; this tiersave" in msg
+    assert "reads 1.x and 2.x only. Upgrade tiersave" in msg
+
+
+def test_a_1x_reader_refuses_format_2_cleanly(saved, monkeypatch):
+    # What a reader of 1.x (tiersave before format 2.0) says about a checkpoint with shard references.
+    monkeypatch.setattr("tiersave.format.manifest.READ_VERSIONS", {1: 1})
     edit(saved, lambda d: d.update(format_version="2.0"))
     msg = restore_error(saved, tiersave.UnsupportedFormatVersionError)
     assert "written with format version 2.0; this tiersave" in msg and "reads 1.x only. Upgrade tiersave" in msg

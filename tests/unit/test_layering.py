@@ -59,6 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.export",
             "tiersave.handle",
             "tiersave.policy",
+            "tiersave.references",
             "tiersave.watch",
             "tiersave.dist",
             "tiersave.dcp",

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
+from ..format.manifest import Manifest
 from ..units import human_bytes, table
 from ._common import EXIT_FAILURE, EXIT_OK, ByteProgress, Output, add_json_flag
 
@@ -196,6 +197,17 @@ def _render(value: Any, indent: int = 0, limit: list[int] | None = None) -> list
     return [f"{pad}{value!r}"]
 
 
+def _increment_line(m: Manifest) -> list[str]:
+    """Bytes this save wrote vs referenced from earlier steps (incremental saves only)."""
+    if not any(s.content for s in m.shards):
+        return []
+    steps = ", ".join(map(str, sorted(m.referenced_steps))) or "-"
+    return [
+        f"  incremental: {human_bytes(m.stored_bytes - m.referenced_bytes)} written, "
+        f"{human_bytes(m.referenced_bytes)} referenced (held by step {steps})"
+    ]
+
+
 def _inspect(args: argparse.Namespace, out: Output) -> int:
     from ..format.tree import TreeDecoder
 
@@ -226,7 +238,10 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
         "stats": dict(m.stats),
         "tensor_bytes": m.total_bytes,
         "stored_bytes": m.stored_bytes,
-        "shards": [{"file": s.file, "rank": s.rank, "size": s.size} for s in m.shards],
+        "written_bytes": m.stored_bytes - m.referenced_bytes,
+        "referenced_bytes": m.referenced_bytes,
+        "referenced_steps": sorted(m.referenced_steps),
+        "shards": [s.to_json() for s in m.shards],
         "tensors": tensors,
         "tree": tree,
     }
@@ -235,6 +250,7 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
         f"  created {m.created_at}   format {m.format_version}   world size {m.world_size}",
         f"  {len(tensors)} tensors, {human_bytes(m.total_bytes)} of data, {human_bytes(m.stored_bytes)} "
         f"in {len(m.shards)} shard(s)",
+        *_increment_line(m),
         f"  tags: {', '.join(m.tags) or '-'}",
         f"  metrics: {', '.join(f'{k}={v:.6g}' for k, v in m.metrics.items()) or '-'}",
     ]

@@ -361,7 +361,7 @@ class _Load:
             blob = self._blobs.get(shard)
             if blob is None:
                 info = self.manifest.shards[shard]
-                key = f"{step_dirname(self.reader.step)}/{info.file}"
+                key = info.key(step_dirname(self.reader.step))
                 blob = self.reader.storage.open_reader(key)
                 if blob.size != info.size:
                     blob.close()

@@ -45,6 +45,7 @@ from ..format.jsonsafe import paused_gc
 from ..format.layout import ALIGN, align_up
 from ..format.manifest import ShardInfo, TensorEntry
 from ..storage.base import BlobWriter, Storage
+from .increment import Increment
 from .stage import HostCopier, Ring, StagingArena, host_addresses, source_bytes
 
 log = logging.getLogger(__name__)
@@ -238,8 +239,10 @@ class StagedWrite:
         arena: StagingArena,
         executor: Executor,
         copier: HostCopier | None = None,
+        increment: Increment | None = None,
     ) -> None:
         self.storage = storage
+        self.increment = increment  # an incremental save: hash every unit, skip those equal to the base's
         self.prefix = prefix
         self.plan = plan
         self.sources = list(sources)
@@ -432,7 +435,12 @@ class StagedWrite:
         try:
             if event is not None:
                 event.synchronize()
-            if u.is_group:
+            if self.increment is not None and self.increment.skip(u, segments, self._view):
+                # the same bytes as the base checkpoint's (by SHA-256): referenced, not written again, and their
+                # CRC-32C are the base's, so unchanged bytes are hashed once rather than hashed and checksummed
+                self.increment.take_crcs(u, self.crc1, self.crcs)
+                segments = []
+            elif u.is_group:
                 self._checksum_group(u, segments)
             else:
                 crc, seen = 0, 0
@@ -492,14 +500,18 @@ class StagedWrite:
         for fut in self.futures:
             fut.result()  # the first failure, if any
         crashpoint("after_shard_write")
-        for shard, writer in zip(self.plan.shards, self.writers):
-            writer.finish(shard.size)
+        referenced = self.increment.settle(self.writers) if self.increment is not None else set()
+        for index, (shard, writer) in enumerate(zip(self.plan.shards, self.writers)):
+            if index not in referenced:
+                writer.finish(shard.size)
         crashpoint("after_shard_fsync")
         self.write_s = time.perf_counter() - start
         plan = self.plan
         with paused_gc():
             tensors = self._entries()
         shards = tuple(ShardInfo(shard_file(s.file), rank, s.size) for s in plan.shards)
+        if self.increment is not None:
+            shards = self.increment.shard_infos(shards, referenced)
         return Written(shards, tensors, plan.chunk_bytes)
 
     def _entries(self) -> dict[str, TensorEntry]:

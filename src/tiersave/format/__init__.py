@@ -1,4 +1,5 @@
-"""The v1 checkpoint format: dtypes, layout rules, checksums, the manifest and the state-tree encoding.
+"""The checkpoint format (1.x, and 2.0 with shard references): dtypes, layout rules, checksums, the
+manifest and the state-tree encoding.
 
 Scope: pure data definitions, serialization and validation (docs/format.md is the normative spec).
 Anti-scope: I/O (storage/), torch objects (state.py), scheduling of reads and writes (engine/).
@@ -7,4 +8,11 @@ Nothing here imports torch, numpy or the storage layer.
 
 FORMAT_NAME = "tiersave"
 FORMAT_VERSION = (1, 1)
+"""The version of a plain checkpoint (no content hashes, no references): every 1.x reader reads it."""
 FORMAT_VERSION_STR = f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}"
+HASHED_VERSION_STR = "1.2"
+"""Shards carry content hashes (docs/format.md section 9), which 1.1 readers ignore."""
+REFERENCE_VERSION_STR = "2.0"
+"""A shard is a reference to an earlier step's shard: 1.x readers must refuse it."""
+READ_VERSIONS = {1: 2, 2: 0}
+"""The majors this reader reads, each with the newest minor whose fields it knows."""

@@ -7,6 +7,10 @@ Integrity (format 1.1): ``checksum.manifest_sha256`` is the SHA-256 of the manif
 without that field (:func:`seal`). It is checked right after the JSON is parsed, before any value is used,
 so a flipped bit in a scalar, a string, a dtype or a tensor reference is caught like a flipped bit in a
 shard. It detects damage, not forgery: whoever can rewrite a manifest can recompute its hash.
+
+Content hashes (1.2) and shard references (2.0), docs/format.md section 9: a shard may carry the SHA-256
+of its pieces (``ShardInfo.content``) and may live in an earlier step's directory (``ShardInfo.step``). The
+version written follows from what the shards use (:func:`version_for`), so a plain checkpoint stays 1.1.
 """
 
 from __future__ import annotations
@@ -23,12 +27,12 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import CorruptCheckpointError, FormatError, UnsupportedFormatVersionError
-from . import FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_STR
+from . import FORMAT_NAME, FORMAT_VERSION_STR, HASHED_VERSION_STR, READ_VERSIONS, REFERENCE_VERSION_STR
 from .checksum import ALGORITHM, chunk_count
 from .dtypes import DTYPES as _DTYPES
 from .dtypes import lookup
 from .jsonsafe import dumps_canonical, is_finite_number, loads_strict, paused_gc
-from .layout import ALIGN, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, MAX_STEP, is_safe_file, is_valid_tag
+from .layout import ALIGN, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, MAX_STEP, is_safe_file, is_valid_tag, step_dirname
 from .tree import validate_tree
 
 _MAX_INT = (1 << 63) - 1
@@ -56,6 +60,8 @@ _TOP_FIELDS = frozenset(
     }
 )
 _SHARD_FIELDS = frozenset({"file", "rank", "size"})
+_SHARD_FIELDS_1_2 = _SHARD_FIELDS | {"content"}
+_SHARD_FIELDS_2_0 = _SHARD_FIELDS_1_2 | {"step"}
 MANIFEST_HASH_FIELD = "manifest_sha256"
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "shard", "offset", "nbytes", "crc32c"})
@@ -63,11 +69,44 @@ _TENSOR_FIELDS = frozenset({"dtype", "shape", "shard", "offset", "nbytes", "crc3
 
 @dataclass(frozen=True, slots=True)
 class ShardInfo:
-    """One shard file of a checkpoint."""
+    """One shard file of a checkpoint.
+
+    ``content`` is the shard cut into pieces, each ``(length, SHA-256 hex)`` (empty: not hashed).
+    ``step`` is None for a shard in the checkpoint's own directory, else the earlier step whose directory
+    holds ``file`` (a reference, format 2.0).
+    """
 
     file: str
     rank: int
     size: int
+    content: tuple[tuple[int, str], ...] = ()
+    step: int | None = None
+
+    @property
+    def is_reference(self) -> bool:
+        return self.step is not None
+
+    def key(self, own_dir: str) -> str:
+        """The shard's key from the root, given the directory (``step-N``) of the checkpoint naming it."""
+        return f"{step_dirname(self.step)}/{self.file}" if self.step is not None else f"{own_dir}/{self.file}"
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"file": self.file, "rank": self.rank, "size": self.size}
+        if self.content:
+            doc["content"] = [[n, h] for n, h in self.content]
+        if self.step is not None:
+            doc["step"] = self.step
+        return doc
+
+
+def version_for(shards: tuple[ShardInfo, ...], current: str = FORMAT_VERSION_STR) -> str:
+    """The format version a manifest with these shards is written as: 2.0 with a reference, 1.2 with content
+    hashes, else ``current`` (a 1.x version; the one it was read as) or 1.1."""
+    if any(s.step is not None for s in shards):
+        return REFERENCE_VERSION_STR
+    if any(s.content for s in shards):
+        return HASHED_VERSION_STR
+    return current if current.startswith("1.") else FORMAT_VERSION_STR
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +160,16 @@ class Manifest:
         """Bytes of shard files, padding included."""
         return sum(s.size for s in self.shards)
 
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes of the shards that are references to an earlier step's shards (not written by this save)."""
+        return sum(s.size for s in self.shards if s.step is not None)
+
+    @property
+    def referenced_steps(self) -> frozenset[int]:
+        """The earlier steps whose directories hold shards of this checkpoint."""
+        return frozenset(s.step for s in self.shards if s.step is not None)
+
     def to_json(self) -> bytes:
         """Serialize; the result parses back to an equal manifest."""
         with paused_gc():
@@ -129,13 +178,13 @@ class Manifest:
     def _to_json(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": version_for(self.shards, self.format_version),
             "step": self.step,
             "created_at": self.created_at,
             "world_size": self.world_size,
             "library": dict(self.library),
             "checksum": {"algorithm": ALGORITHM, "chunk_bytes": self.chunk_bytes},
-            "shards": [{"file": s.file, "rank": s.rank, "size": s.size} for s in self.shards],
+            "shards": [s.to_json() for s in self.shards],
             "tensors": {
                 name: {
                     "dtype": t.dtype,
@@ -242,6 +291,7 @@ class _Checker:
     def __init__(self, path: str) -> None:
         self.path = path
         self.strict_fields = True
+        self.shard_fields = _SHARD_FIELDS
 
     def fail(self, message: str) -> FormatError:
         return FormatError(f"{self.path}: {message}", path=self.path)
@@ -272,15 +322,21 @@ class _Checker:
         if m is None:
             raise self.fail(f"format_version {version!r} is not MAJOR.MINOR")
         major, minor = int(m.group(1)), int(m.group(2))
-        if major != FORMAT_VERSION[0]:
+        known = READ_VERSIONS.get(major)
+        if known is None:
+            majors = sorted(READ_VERSIONS)
+            names = " and ".join(f"{v}.x" for v in majors)
             raise UnsupportedFormatVersionError(
                 f"{self.path}: written with format version {version}; this tiersave ({__version__}) "
-                f"reads {FORMAT_VERSION[0]}.x only. "
-                + ("Upgrade tiersave to read it." if major > FORMAT_VERSION[0] else ""),
+                f"reads {names} only. " + ("Upgrade tiersave to read it." if major > majors[-1] else ""),
                 path=self.path,
             )
         # A newer minor version may add fields we may ignore; an older or equal one may not surprise us.
-        self.strict_fields = minor <= FORMAT_VERSION[1]
+        self.strict_fields = minor <= known
+        if major >= 2:
+            self.shard_fields = _SHARD_FIELDS_2_0
+        elif minor >= 2:
+            self.shard_fields = _SHARD_FIELDS_1_2
         return m.group(0)
 
     def build(self, doc: Any) -> Manifest:
@@ -310,15 +366,7 @@ class _Checker:
 
         if not isinstance(doc["shards"], list):
             raise self.fail("shards must be an array")
-        shards = []
-        for i, raw in enumerate(doc["shards"]):
-            s = self.fields(raw, _SHARD_FIELDS, _SHARD_FIELDS, f"shards[{i}]")
-            file = s["file"]
-            if not isinstance(file, str) or not is_safe_file(file):
-                raise self.fail(f"shards[{i}].file {file!r} is not a safe relative name")
-            rank = self.int_field(s["rank"], f"shards[{i}].rank", hi=world_size - 1)
-            size = self.int_field(s["size"], f"shards[{i}].size")
-            shards.append(ShardInfo(file, rank, size))
+        shards = [self.shard(i, raw, world_size, step) for i, raw in enumerate(doc["shards"])]
 
         if not isinstance(doc["tensors"], dict):
             raise self.fail("tensors must be an object")
@@ -356,6 +404,41 @@ class _Checker:
         )
         self.check_manifest(manifest)
         return manifest
+
+    def shard(self, i: int, raw: Any, world_size: int, step: int) -> ShardInfo:
+        s = self.fields(raw, self.shard_fields, _SHARD_FIELDS, f"shards[{i}]")
+        file = s["file"]
+        if not isinstance(file, str) or not is_safe_file(file):
+            raise self.fail(f"shards[{i}].file {file!r} is not a safe relative name")
+        rank = self.int_field(s["rank"], f"shards[{i}].rank", hi=world_size - 1)
+        size = self.int_field(s["size"], f"shards[{i}].size")
+        content: tuple[tuple[int, str], ...] = ()
+        if "content" in s and "content" in self.shard_fields:
+            content = self.content(s["content"], size, f"shards[{i}].content")
+        ref: int | None = None
+        if "step" in s and "step" in self.shard_fields:
+            ref = self.int_field(s["step"], f"shards[{i}].step", hi=step - 1) if step else -1
+            if ref < 0:
+                raise self.fail(f"shards[{i}].step must name an earlier step than {step}")
+            if not content:
+                raise self.fail(f"shards[{i}] is a reference to step {ref} without content hashes")
+        return ShardInfo(file, rank, size, content, ref)
+
+    def content(self, raw: Any, size: int, what: str) -> tuple[tuple[int, str], ...]:
+        if not isinstance(raw, list):
+            raise self.fail(f"{what} must be an array of [bytes, sha256] pairs")
+        pieces = []
+        for piece in raw:
+            ok = isinstance(piece, list) and len(piece) == 2 and isinstance(piece[1], str)
+            if not ok or not _SHA256_HEX.match(piece[1]):
+                raise self.fail(f"{what} must be an array of [bytes, 64-hex-digit sha256] pairs")
+            n = self.int_field(piece[0], f"{what} piece length", lo=ALIGN)
+            if n % ALIGN:
+                raise self.fail(f"{what} piece length {n} is not a multiple of {ALIGN}")
+            pieces.append((n, piece[1]))
+        if sum(n for n, _ in pieces) != size:
+            raise self.fail(f"{what} covers {sum(n for n, _ in pieces)} bytes, the shard has {size}")
+        return tuple(pieces)
 
     def tensor(self, name: str, raw: Any, nshards: int, chunk_bytes: int) -> TensorEntry:
         # The common, well-formed entry is accepted with a few type and range tests (a manifest may hold 10^5
@@ -413,7 +496,7 @@ class _Checker:
         return TensorEntry(name, dtype, dims, shard, offset, nbytes, tuple(crcs))
 
     def check_manifest(self, m: Manifest) -> None:
-        files = [s.file for s in m.shards]
+        files = [(s.step, s.file) for s in m.shards]
         if len(set(files)) != len(files):
             raise self.fail("two shards name the same file")
         for i, s in enumerate(m.shards):

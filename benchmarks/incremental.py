@@ -1,0 +1,151 @@
+"""Issue 13's incremental-save target on a LoRA-like state: bytes written and background time per save after
+the first, and restore speed, with ``incremental=True`` against plain full saves, side by side in one run.
+
+The state: a frozen base (fp32 weights, ``--base-mb``) plus trained LoRA adapters and their two Adam moments
+(``--adapter-mb`` in all); every save after the first changes the adapters and moments only. For each mode
+(``full``, ``incremental``), reps interleaved, a fresh root gets ``--saves`` saves; reported are the medians
+over reps of: bytes written per save after the first (shard bytes this save wrote, from its manifest), the
+background time of those saves (start of the save to durable commit, less the caller's stall), and the time
+to restore the last checkpoint into new tensors with the page cache dropped first (``POSIX_FADV_DONTNEED``,
+or ``drop_caches`` as root).
+
+Usage::
+
+    .venv/bin/python benchmarks/incremental.py --base-mb 1024 --adapter-mb 24 --saves 4 --reps 3 \
+        --dir /work/scratch --json benchmarks/results/incremental.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from memory_tier import evict
+
+import tiersave
+from tiersave.catalog import Catalog
+from tiersave.storage import open_storage
+
+MiB = 1 << 20
+
+
+def lora_state(base_mb: int, adapter_mb: int) -> dict:
+    """Frozen base layers of 16 MiB (fp32) and, per layer, LoRA A/B with two Adam moments each."""
+    layers = max(1, base_mb // 16)
+    per_layer = max(4096, adapter_mb * MiB // layers // 6 // 4)  # 6 adapter-sized fp32 tensors per layer
+    g = torch.Generator().manual_seed(0)
+    state: dict = {"model": {}, "optim": {}}
+    for i in range(layers):
+        state["model"][f"layers.{i}.weight"] = torch.randn(4 * MiB, generator=g)  # 16 MiB, frozen
+        for name in ("lora_a", "lora_b"):
+            state["model"][f"layers.{i}.{name}"] = torch.randn(per_layer, generator=g)
+            state["optim"][f"layers.{i}.{name}.exp_avg"] = torch.zeros(per_layer)
+            state["optim"][f"layers.{i}.{name}.exp_avg_sq"] = torch.zeros(per_layer)
+    return state
+
+
+def train_step(state: dict) -> None:
+    for name, t in state["model"].items():
+        if "lora" in name:
+            t.add_(0.01)
+    for t in state["optim"].values():
+        t.add_(0.001)
+
+
+def nbytes(state: dict) -> int:
+    return sum(t.nbytes for part in state.values() for t in part.values())
+
+
+def run(mode: str, state: dict, saves: int, workdir: Path) -> dict:
+    root = workdir / f"{mode}-{uuid.uuid4().hex[:8]}"
+    written, background, stall = [], [], []
+    try:
+        with tiersave.Checkpointer(root, incremental=mode == "incremental", event_log=False) as ckpt:
+            for step in range(1, saves + 1):
+                train_step(state)
+                handle = ckpt.save(step, state, blocking=False)
+                handle.result()
+                if step > 1:
+                    m = Catalog(open_storage(str(root))).manifest(step)
+                    written.append(m.stored_bytes - m.referenced_bytes)
+                    background.append(handle.stats.total_s - handle.stats.blocked_s)
+                    stall.append(handle.stats.blocked_s)
+        how = evict(root)
+        with tiersave.Checkpointer(root, event_log=False) as ckpt:
+            t0 = time.perf_counter()
+            ckpt.restore(saves)
+            restore_s = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "written_bytes": statistics.median(written),
+        "background_s": statistics.median(background),
+        "stall_s": statistics.median(stall),
+        "restore_s": restore_s,
+        "evict": how,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-mb", type=int, default=1024)
+    p.add_argument("--adapter-mb", type=int, default=24)
+    p.add_argument("--saves", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    state = lora_state(args.base_mb, args.adapter_mb)
+    total = nbytes(state)
+    frozen = sum(t.nbytes for k, t in state["model"].items() if "lora" not in k)
+    modes = ("full", "incremental")
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for rep in range(args.reps):  # interleaved: both modes see the same machine state
+        for mode in modes if rep % 2 == 0 else reversed(modes):
+            runs[mode].append(run(mode, state, args.saves, args.dir))
+    summary = {}
+    for mode in modes:
+        summary[mode] = {
+            key: statistics.median(r[key] for r in runs[mode])
+            for key in ("written_bytes", "background_s", "stall_s", "restore_s")
+        }
+    full, inc = summary["full"], summary["incremental"]
+    result = {
+        "state_bytes": total,
+        "frozen_fraction": frozen / total,
+        "saves": args.saves,
+        "reps": args.reps,
+        "summary": summary,
+        "written_ratio": inc["written_bytes"] / full["written_bytes"],
+        "background_ratio": inc["background_s"] / full["background_s"],
+        "restore_ratio": inc["restore_s"] / full["restore_s"],
+        "runs": runs,
+    }
+    print(f"state {total / MiB:.0f} MiB, {100 * frozen / total:.1f}% frozen; medians of {args.reps} reps")
+    print(f"{'mode':<12} {'written/save':>14} {'background s':>13} {'stall s':>8} {'restore s':>10}")
+    for mode in modes:
+        s = summary[mode]
+        print(
+            f"{mode:<12} {s['written_bytes'] / MiB:>10.1f} MiB {s['background_s']:>13.3f} "
+            f"{s['stall_s']:>8.3f} {s['restore_s']:>10.3f}"
+        )
+    print(
+        f"incremental / full: written {result['written_ratio']:.3f}, background {result['background_ratio']:.3f}, "
+        f"restore {result['restore_ratio']:.3f}"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Incremental saves: which shards of a save equal shards of an earlier checkpoint (docs/format.md section 9).
+
+Every write unit of a save (one checksum chunk of a large tensor, or a group of small tensors) is one *piece*
+of its shard. On the writer threads, right where the CRC-32C is computed, :meth:`Increment.skip` hashes the
+piece with SHA-256 (``hashlib``: SHA-NI where the CPU has it, and it releases the GIL over large buffers, so
+the hashes run in parallel) and,
+when the base checkpoint's shard at the same place holds the same tensors and a piece with the same length and
+hash, the piece is not written. :meth:`Increment.settle` then turns each shard whose every piece matched into a
+reference to the base's shard, and fills the few skipped pieces of a shard that matched only in part from the
+base's copy (hash checked again on the bytes read), so every shard is either referenced whole or written whole.
+
+Scope: the hashes, the per-piece decision, the settling of shards and the manifest's shard entries of an
+incremental save. Anti-scope: choosing the base checkpoint and keeping it from being deleted (the checkpoint
+level: saving.py, catalog.py), validating references (format/manifest.py), the write path itself (pipeline.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from ..errors import CorruptCheckpointError
+from ..format.layout import step_dirname
+from ..format.manifest import Manifest, ShardInfo
+from ..storage.base import BlobWriter, Storage
+
+
+class Unit(Protocol):
+    """What this module reads of ``pipeline.Unit`` (a protocol: the pipeline imports this module)."""
+
+    @property
+    def tensor(self) -> int: ...
+    @property
+    def chunk(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def shard(self) -> int: ...
+    @property
+    def file_offset(self) -> int: ...
+    @property
+    def padded(self) -> int: ...
+
+
+class ShardSpan(Protocol):
+    @property
+    def size(self) -> int: ...
+    @property
+    def first(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+
+
+class SavePlan(Protocol):
+    """What this module reads of ``pipeline.SavePlan``."""
+
+    @property
+    def shards(self) -> Sequence[ShardSpan]: ...
+    @property
+    def units(self) -> Sequence[Unit]: ...
+    @property
+    def names(self) -> Sequence[str]: ...
+    @property
+    def dtypes(self) -> Sequence[str]: ...
+    @property
+    def shapes(self) -> Sequence[tuple[int, ...]]: ...
+    @property
+    def offsets(self) -> Sequence[int]: ...
+
+
+_Signature = tuple[int, tuple[tuple[int, str, str, tuple[int, ...]], ...], tuple[int, ...]]
+
+
+def sha256_hex(pieces: Sequence[memoryview]) -> str:
+    """SHA-256 of the concatenation of ``pieces``, as 64 lowercase hex digits."""
+    h = hashlib.sha256()
+    for piece in pieces:
+        h.update(piece)
+    return h.hexdigest()
+
+
+def _base_signatures(base: Manifest) -> dict[_Signature, int]:
+    """Each base shard that has content hashes, by what it holds: size, tensors (offset, name, dtype, shape)
+    and piece lengths."""
+    members: dict[int, list[tuple[int, str, str, tuple[int, ...]]]] = {}
+    for t in base.tensors.values():
+        members.setdefault(t.shard, []).append((t.offset, t.name, t.dtype, t.shape))
+    out: dict[_Signature, int] = {}
+    for index, shard in enumerate(base.shards):
+        if shard.content:
+            tensors = tuple(sorted(members.get(index, ())))
+            out[(shard.size, tensors, tuple(n for n, _ in shard.content))] = index
+    return out
+
+
+class Increment:
+    """One incremental save's decisions, against ``base`` (None: a full save that still records hashes).
+
+    Args:
+        storage: the storage of the save and of the base checkpoint (the same root).
+        plan: the save's layout.
+        base: the manifest of the earlier checkpoint to reference, or None.
+    """
+
+    def __init__(self, storage: Storage, plan: SavePlan, base: Manifest | None) -> None:
+        self.storage = storage
+        self.plan = plan
+        self.base = base
+        nshards = len(plan.shards)
+        starts: list[list[tuple[int, int]]] = [[] for _ in range(nshards)]
+        for u in plan.units:
+            starts[u.shard].append((u.file_offset, u.padded))
+        self._piece: dict[tuple[int, int], int] = {}
+        self.lengths: list[list[int]] = []
+        for s, pieces in enumerate(starts):
+            pieces.sort()
+            self.lengths.append([n for _, n in pieces])
+            for k, (offset, _) in enumerate(pieces):
+                self._piece[(s, offset)] = k
+        self.digests: list[list[str]] = [[""] * len(n) for n in self.lengths]
+        self.skipped: list[list[bool]] = [[False] * len(n) for n in self.lengths]
+        self.matches: list[int | None] = [None] * nshards
+        if base is not None:
+            index = _base_signatures(base)
+            for s, shard in enumerate(plan.shards):
+                tensors = tuple(
+                    sorted(
+                        (plan.offsets[i], plan.names[i], plan.dtypes[i], plan.shapes[i])
+                        for i in range(shard.first, shard.end)
+                    )
+                )
+                self.matches[s] = index.get((shard.size, tensors, tuple(self.lengths[s])))
+        self.referenced_bytes = 0
+        self.filled_bytes = 0
+
+    # -- writer threads -----------------------------------------------------------------------------
+
+    def skip(self, u: Unit, segments: Sequence[tuple[int, int]], view: memoryview) -> bool:
+        """Hash unit ``u`` (its staged, padded bytes at ``segments`` of ``view``); True when the base holds an
+        equal piece at the same place, so the unit need not be written."""
+        k = self._piece[(u.shard, u.file_offset)]
+        digest = sha256_hex([view[pos : pos + n] for pos, n in segments])
+        self.digests[u.shard][k] = digest
+        match = self.matches[u.shard]
+        if match is None or self.base is None:
+            return False
+        if self.base.shards[match].content[k] != (u.padded, digest):
+            return False
+        self.skipped[u.shard][k] = True
+        return True
+
+    def take_crcs(self, u: Unit, crc1: list[str], crcs: dict[int, list[str]]) -> None:
+        """Record the CRC-32C of a skipped unit ``u``: the base's, whose bytes are the same (same tensors at
+        the same offsets, same SHA-256). ``crc1``/``crcs`` are the pipeline's tables (one-chunk tensors,
+        tensors of several chunks)."""
+        assert self.base is not None
+        names, tensors = self.plan.names, self.base.tensors
+        if u.end < 0:  # one chunk of one tensor
+            crc = tensors[names[u.tensor]].crc32c[u.chunk]
+            if u.tensor in crcs:
+                crcs[u.tensor][u.chunk] = crc
+            else:
+                crc1[u.tensor] = crc
+            return
+        for i in range(u.tensor, u.end):  # a group of small tensors, one chunk each (none when empty)
+            recorded = tensors[names[i]].crc32c
+            crc1[i] = recorded[0] if recorded else ""
+
+    # -- the finishing thread -----------------------------------------------------------------------
+
+    def settle(self, writers: Sequence[BlobWriter]) -> set[int]:
+        """After every unit is done: discard the writers of shards referenced whole, fill the skipped pieces
+        of the others from the base. Returns the indices of the referenced shards (not to be finished)."""
+        referenced: set[int] = set()
+        for s, skipped in enumerate(self.skipped):
+            if not any(skipped):
+                continue
+            if all(skipped):
+                writers[s].abort()
+                referenced.add(s)
+                self.referenced_bytes += self.plan.shards[s].size
+                continue
+            self._fill(s, writers[s])
+        return referenced
+
+    def _fill(self, s: int, writer: BlobWriter) -> None:
+        """Copy the skipped pieces of shard ``s`` from the base's equal shard, checking each one's hash."""
+        assert self.base is not None
+        match = self.matches[s]
+        assert match is not None
+        source = self.base.shards[match]
+        key = source.key(step_dirname(self.base.step))
+        reader = self.storage.open_reader(key)
+        try:
+            offset = 0
+            for k, n in enumerate(self.lengths[s]):
+                if self.skipped[s][k]:
+                    buf = memoryview(bytearray(n))
+                    reader.read_into(offset, buf)
+                    if sha256_hex([buf]) != self.digests[s][k]:
+                        raise CorruptCheckpointError(
+                            f"step {self.base.step}: shard {source.file} changed since it was written (bytes "
+                            f"{offset}..{offset + n} no longer match their SHA-256); this incremental save "
+                            "cannot reuse them",
+                            step=self.base.step,
+                            file=source.file,
+                        )
+                    writer.write_at(offset, buf)
+                    self.filled_bytes += n
+                offset += n
+        finally:
+            reader.close()
+
+    def shard_infos(self, shards: Sequence[ShardInfo], referenced: set[int]) -> tuple[ShardInfo, ...]:
+        """The manifest's shard entries: the plain ones with their content hashes, the referenced ones naming
+        the base's file and the step that holds it."""
+        out = []
+        for s, info in enumerate(shards):
+            content = tuple(zip(self.lengths[s], self.digests[s], strict=True))
+            if s in referenced:
+                assert self.base is not None
+                match = self.matches[s]
+                assert match is not None
+                source = self.base.shards[match]
+                holder = source.step if source.step is not None else self.base.step
+                out.append(replace(info, file=source.file, content=content, step=holder))
+            else:
+                out.append(replace(info, content=content))
+        return tuple(out)

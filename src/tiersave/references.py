@@ -1,0 +1,144 @@
+"""Reference-aware retention and the base of incremental saves (docs/format.md section 9).
+
+A checkpoint written by an incremental save may reference shards held by earlier step directories. Retention
+must then never delete a step that a kept checkpoint references (mark from the kept manifests: references
+never chain, so one level suffices), nor the base an unfinished incremental save is about to reference
+(:class:`Pins`). Deleting stays the atomic un-commit of docs/format.md section 6, one step at a time, so a
+kill at any instant of retention leaves every kept checkpoint whole.
+
+Scope: which steps retention may delete given the references, pins of unfinished saves, the full/incremental
+choice of one save. Anti-scope: listing and deleting (catalog.py), the per-piece hashing and skipping
+(engine/increment.py), the format (format/manifest.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from .errors import ConfigError, SaveError
+from .format.layout import MANIFEST_NAME, step_dirname
+from .format.manifest import Manifest
+from .storage.base import Storage
+
+CHAIN_STAT = "incremental_chain"
+"""The manifest ``stats`` key counting the incremental saves since the last full one (0 for a full one)."""
+
+
+@dataclass(frozen=True)
+class Incremental:
+    """The options of incremental saves: a full save every ``full_every`` saves (None: only without base)."""
+
+    full_every: int | None = None
+
+
+def check_incremental(incremental: object, full_every: object) -> Incremental | None:
+    """Validate ``Checkpointer(incremental=..., full_every=...)``; None when saves are not incremental.
+
+    Raises:
+        ConfigError: ``incremental`` is not a bool, or ``full_every`` not a positive integer or None.
+    """
+    if not isinstance(incremental, bool):
+        raise ConfigError(f"incremental must be True or False, got {incremental!r}")
+    if full_every is not None and (isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1):
+        raise ConfigError(f"full_every must be a positive integer or None, got {full_every!r}")
+    if full_every is not None and not incremental:
+        raise ConfigError("full_every applies to incremental saves: pass incremental=True with it")
+    return Incremental(full_every) if incremental else None
+
+
+def chain_of(base: Manifest | None) -> int:
+    """How many incremental saves a save referencing ``base`` would follow since the last full one."""
+    if base is None:
+        return 0
+    raw = base.stats.get(CHAIN_STAT, 0)
+    previous = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else 0
+    return previous + 1
+
+
+def wants_full(base: Manifest | None, full_every: int | None) -> bool:
+    """True when the next save must be full: no base, or ``full_every`` saves since the last full one."""
+    return base is None or (full_every is not None and chain_of(base) >= full_every)
+
+
+def referenced(manifests: Iterable[Manifest]) -> set[int]:
+    """Every step that holds shards referenced by one of ``manifests``."""
+    out: set[int] = set()
+    for manifest in manifests:
+        out |= manifest.referenced_steps
+    return out
+
+
+def check_holders(storage: Storage, manifest: Manifest) -> None:
+    """Before an incremental save commits: every step it references is still committed.
+
+    The pin protects the base from this process's retention only; this catches another process's prune (or a
+    person) having deleted it meanwhile, so that such a save fails instead of committing dangling references.
+
+    Raises:
+        SaveError: a referenced step is gone.
+    """
+    for step in sorted(manifest.referenced_steps):
+        if not storage.exists(f"{step_dirname(step)}/{MANIFEST_NAME}"):
+            raise SaveError(
+                f"step {manifest.step}: step {step}, whose shards this incremental save references, was deleted "
+                f"from {storage.uri} while the save was running; nothing was committed"
+            )
+
+
+class Pins:
+    """Steps that unfinished incremental saves of this process will reference, and the step being deleted.
+
+    Retention skips a pinned step; a pin taken while retention deletes that very step gets no base (the
+    save is then a full one); and retention stops its round at the first pin taken after it planned, since
+    the steps that the newly pinned base references may be among those it planned to delete.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pins: Counter[int] = Counter()
+        self._deleting: int | None = None
+        self._generation = 0
+
+    def pin(self, step: int, read: Callable[[int], Manifest | None]) -> Manifest | None:
+        """Pin ``step`` and return ``read(step)``; None (and no pin) if it is being deleted or unreadable."""
+        with self._lock:
+            if self._deleting == step:
+                return None
+            self._pins[step] += 1
+            self._generation += 1
+        manifest = read(step)
+        if manifest is None:
+            self.unpin(step)
+        return manifest
+
+    def unpin(self, step: int) -> None:
+        with self._lock:
+            self._pins[step] -= 1
+            if self._pins[step] <= 0:
+                del self._pins[step]
+
+    def pinned(self) -> tuple[frozenset[int], int]:
+        """The pinned steps and the generation to pass to :meth:`deleting`."""
+        with self._lock:
+            return frozenset(self._pins), self._generation
+
+    @contextmanager
+    def deleting(self, step: int, generation: int) -> Iterator[bool]:
+        """Mark ``step`` as being deleted; yields False (delete nothing more) if a pin was taken since
+        ``generation``."""
+        with self._lock:
+            allowed = self._generation == generation
+            if allowed:
+                self._deleting = step
+        if not allowed:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            with self._lock:
+                self._deleting = None
