@@ -555,11 +555,12 @@ class Catalog:
 
     def clean_leftovers(self, *, force: bool = False) -> list[str]:
         """Remove leftovers of interrupted saves and deletes. A live save's data is always kept; data made
-        on another host (shared file system, object store) only with ``force``."""
+        on another host (shared file system, object store) only with ``force``, or on an object store once
+        nothing was added to it for ``TIERSAVE_LEFTOVER_GRACE_S`` (a day by default)."""
         if not self.storage.capabilities.atomic_rename:
             from .commit import MarkerCommit
 
-            return MarkerCommit(self.storage).clean_leftovers(force=force)
+            return MarkerCommit(self.storage).clean_leftovers(force=force, older_than_s=knobs.leftover_grace_s())
         removed = []
         for name, status in self.leftovers():
             if status == "dead" or (status == "unknown" and force):

@@ -16,6 +16,7 @@ from .errors import ConfigError
 
 _IO_THREADS = "TIERSAVE_IO_THREADS"
 _CHUNK_BYTES = "TIERSAVE_CHUNK_BYTES"
+_LEFTOVER_GRACE_S = "TIERSAVE_LEFTOVER_GRACE_S"
 
 
 def int_env(name: str, default: int, lo: int, hi: int) -> int:
@@ -43,6 +44,13 @@ def chunk_bytes() -> int:
     if value % 4096:
         raise ConfigError(f"{_CHUNK_BYTES}={value} is not a multiple of 4096")
     return value
+
+
+def leftover_grace_s() -> int:
+    """Seconds after its newest object or upload an object-store attempt of another host (whose writer
+    this host cannot ask about) counts as abandoned and is removed by the retention after a commit
+    (default one day: far longer than any save takes, short enough that space comes back)."""
+    return int_env(_LEFTOVER_GRACE_S, 86_400, 1, 10 * 365 * 86_400)
 
 
 @contextlib.contextmanager
