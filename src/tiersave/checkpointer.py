@@ -48,6 +48,7 @@ from .format.layout import MAX_CHUNK_BYTES
 from .handle import SaveHandle
 from .planner.schedule import SaveCost, Schedule, parse_schedule
 from .policy import RetentionPolicy
+from .replication import attach
 from .restore import RestoreReport, restore_from
 from .saving import PendingSave, Saver, SaveRequest
 from .storage.base import Storage
@@ -120,6 +121,7 @@ class Checkpointer:
             event_log=event_log and self._rank == 0,  # one log per job: rank 0's
         )
         first = self._chain.first
+        self._replicas, node_local = attach(self._chain, self._collective)  # on failure, shuts the chain down
         self.storage: Storage = first.storage
         self.catalog = first.catalog
         self.events = self._chain.events
@@ -138,6 +140,7 @@ class Checkpointer:
             pool=self._pool,
             log_event=self._chain.log,
             group=self._collective.group if self._collective is not None else None,
+            node_local=node_local,
         )
         self._lock = threading.Lock()
         self._last: SaveHandle | None = None
@@ -394,6 +397,8 @@ class Checkpointer:
         if pending.manifest is not None and self._rank == 0:
             self._chain.after_commit(pending.handle, pending.manifest, pending.started_wall)
             return
+        if pending.manifest is not None:  # another node's leader: its node's memory tier holds the step too
+            self._chain.after_node_commit(pending.handle, pending.manifest)
         if pending.info is not None:  # another rank: rank 0 committed the global manifest and described it
             pending.handle._set_result(pending.info)
 
@@ -450,7 +455,7 @@ class Checkpointer:
         """
         self._check_open()
         result, self.last_restore = restore_from(
-            self._chain, step, tag, into, strict, self._pool, collective=self._collective, rank=rank
+            self._chain, step, tag, into, strict, self._pool, self._collective, rank, self._replicas
         )
         return result
 

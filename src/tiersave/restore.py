@@ -41,6 +41,7 @@ from .errors import (
 )
 from .format.jsonsafe import paused_gc
 from .format.layout import ALIGN
+from .replication import Replicas, peer_source
 from .state import (
     Target,
     apply_into,
@@ -72,6 +73,8 @@ class RestoreReport:
         in_place: tensors read directly into the live state's memory.
         skipped: ``(step, reason)`` for each copy (newer, or in a faster tier) that could not be used.
         tier: the name of the tier it was read from.
+        source: where this rank's bytes came from: the tier's URI, or, for a memory tier with replicas whose
+            copy was lost with its node, the peer node whose replica was pulled first.
     """
 
     step: int
@@ -81,6 +84,7 @@ class RestoreReport:
     in_place: int
     skipped: list[tuple[int, str]] = field(default_factory=list)
     tier: str = ""
+    source: str = ""
 
 
 def restore_from(
@@ -90,9 +94,9 @@ def restore_from(
     into: Any,
     strict: bool,
     pool: Executor,
-    *,
     collective: Collective | None = None,
     rank: int | None = None,
+    replicas: Replicas | None = None,
 ) -> tuple[Any, RestoreReport]:
     """Restore ``step`` (None: the newest; with ``tag``, the newest carrying it) from the fastest tier holding
     a good copy; see ``Checkpointer.restore`` for the fallback rules and the errors raised.
@@ -100,7 +104,8 @@ def restore_from(
     With ``collective`` (a collective restore), every rank tries rank 0's list of copies in order, reads its own
     part (``rank``) of each, and the ranks move on to the next copy together when any of them could not use
     it, so that all restore the same step. ``rank`` (a single process only) reads that rank's state of a
-    checkpoint saved by several ranks."""
+    checkpoint saved by several ranks. With ``replicas``, a rank whose memory tier lost the step (a replacement
+    node) pulls its node's part from a peer's replica first."""
     if collective is not None and rank is not None:
         raise ConfigError("rank= is for reading one rank's state in a single process; each rank restores its own")
     group = collective.group if collective is not None else None
@@ -114,8 +119,10 @@ def restore_from(
         for candidate, holders in _candidates(chain, step, tag, group):
             for tier in holders:
                 error: TiersaveError | None = None
+                source = tier.storage.uri
                 chain.protection.hold(tier.index, candidate)  # our own retention must not delete what we read
                 try:
+                    source = peer_source(replicas, tier, candidate)
                     with tier.catalog.open(candidate) as ckpt:
                         ckpt.manifest = rank_view(ckpt.manifest, rank, world_size)
                         result, nbytes, in_place = Restore(ckpt, into, strict).run(pool)
@@ -153,7 +160,7 @@ def restore_from(
                     continue
                 location = tier.catalog.location(candidate)
                 report = RestoreReport(
-                    candidate, location, nbytes, time.perf_counter() - start, in_place, skipped, tier.name
+                    candidate, location, nbytes, time.perf_counter() - start, in_place, skipped, tier.name, source
                 )
                 return result, report
         if not vanished:

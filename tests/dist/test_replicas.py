@@ -1,0 +1,156 @@
+"""Peer-memory replicas on simulated nodes (real gloo processes on 127.0.0.1, one memory directory per node):
+replication after each committed save, restore of a lost node's ranks from a peer's replica, and the fallbacks
+when the replica is gone, corrupted or was torn by a crash."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiersave.catalog import Catalog
+from tiersave.storage.posix import LocalStorage
+
+pytestmark = pytest.mark.dist
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "replica_workers.py"
+DEADLINE_S = 120
+
+
+class Nodes:
+    """``n`` simulated nodes of ``per_node`` ranks: per-rank environment (node rank, local rank, memory dir)."""
+
+    def __init__(self, tmp: Path, n: int, per_node: int = 1) -> None:
+        self.root = tmp / "durable"
+        self.shm = [tmp / f"shm-node{i}" for i in range(n)]
+        self.n, self.per_node = n, per_node
+
+    def rank_env(self) -> dict[int, dict[str, str]]:
+        out = {}
+        for rank in range(self.n * self.per_node):
+            node = rank // self.per_node
+            out[rank] = {
+                "GROUP_RANK": str(node),
+                "LOCAL_RANK": str(rank % self.per_node),
+                "TIERSAVE_SHM_DIR": str(self.shm[node]),
+            }
+        return out
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {"TIERSAVE_TEST_ROOT": str(self.root), **extra}
+
+    def replica(self, holder: int, node: int) -> Path:
+        return self.shm[holder] / "replicas" / "run" / f"node-{node}"
+
+    def memory(self, node: int) -> Path:
+        return self.shm[node] / "run"
+
+    def lose(self, node: int) -> None:
+        """The node is replaced: its memory is empty."""
+        shutil.rmtree(self.shm[node])
+
+
+def run(launch: Any, nodes: Nodes, scenario: str, **env: str) -> Any:
+    job = launch(
+        scenario,
+        nodes.n * nodes.per_node,
+        script=SCRIPT,
+        env=nodes.env(**env),
+        rank_env=nodes.rank_env(),
+        deadline_s=DEADLINE_S,
+    )
+    for r in range(nodes.n * nodes.per_node):
+        assert "crash" not in job.rank(r), job.rank(r)["crash"]
+    return job
+
+
+def steps(path: Path) -> list[int]:
+    return Catalog(LocalStorage(path, create=False)).steps() if path.exists() else []
+
+
+def test_lost_node_restores_bit_exact_from_the_peer_replica(launch, tmp_path):
+    nodes = Nodes(tmp_path, 2)
+    saved = run(launch, nodes, "save")
+    for r in range(2):  # each node's leader saw its part replicated, for every step
+        assert saved.rank(r)["replicas"] == {"1": "ok", "2": "ok", "3": "ok"}
+    assert steps(nodes.replica(0, 1)) == [2, 3]  # node 0 holds node 1's part; retention keep=2 applies
+    assert steps(nodes.replica(1, 0)) == [2, 3]
+    nodes.lose(1)
+    job = run(launch, nodes, "restore")
+    for r in range(2):
+        assert job.rank(r)["step"] == 3 and job.rank(r)["consistent"], job.rank(r)
+    assert "pulled from node 0" in job.rank(1)["source"]
+    assert "pulled" not in job.rank(0)["source"]
+    assert steps(nodes.memory(1)) == [3]  # the pulled part is in the replacement's memory now
+
+
+def test_replica_also_lost_falls_back_to_the_durable_copy_with_the_reason(launch, tmp_path):
+    nodes = Nodes(tmp_path, 2)
+    run(launch, nodes, "save")
+    nodes.lose(1)
+    shutil.rmtree(nodes.replica(0, 1))  # the holder lost it too (two losses with replicas=1)
+    job = run(launch, nodes, "restore")
+    for r in range(2):
+        rec = job.rank(r)
+        assert rec["tier"] == "durable" and rec["step"] == 2 and rec["consistent"], rec
+        assert "no usable checkpoint" in rec["memory_error"]
+    assert "no peer holds a valid replica" in job.rank(1)["memory_error"]
+    assert any("could not use this copy" in w or "no peer holds" in w for w in job.rank(0)["warnings"])
+
+
+def test_corrupted_replica_chunk_is_detected_and_an_older_step_is_used(launch, tmp_path):
+    nodes = Nodes(tmp_path, 2)
+    run(launch, nodes, "save")
+    nodes.lose(1)
+    shard = next(nodes.replica(0, 1).glob("step-*3/shard-*.bin"))
+    with open(shard, "r+b") as f:  # one flipped byte inside the first tensor
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    job = run(launch, nodes, "restore")
+    for r in range(2):
+        rec = job.rank(r)
+        assert rec["step"] == 2 and rec["consistent"] and rec["tier"] == "memory", rec
+    assert "pulled from node 0" in job.rank(1)["source"]
+    assert any("does not match its checksum" in w for w in job.rank(1)["warnings"]), job.rank(1)["warnings"]
+    assert steps(nodes.memory(1)) == [2]  # the corrupted step 3 was never published
+
+
+def test_kill_during_replication_leaves_no_usable_partial_replica(launch, tmp_path):
+    nodes = Nodes(tmp_path, 2)
+    # node 0's process dies (SIGKILL) while it holds every shard of node 1's step 3, before publishing it
+    job = launch(
+        "save",
+        2,
+        script=SCRIPT,
+        env=nodes.env(),
+        rank_env={**nodes.rank_env(), 0: {**nodes.rank_env()[0], "TIERSAVE_CRASHPOINT": "replica_received:3"}},
+        deadline_s=DEADLINE_S,
+    )
+    assert job.returncodes[0] != 0
+    assert steps(nodes.replica(0, 1)) == [1, 2]
+    assert any(".tmp-" in p.name for p in nodes.replica(0, 1).iterdir())  # the torn copy, never published
+    nodes.lose(1)
+    job = run(launch, nodes, "restore")
+    for r in range(2):
+        rec = job.rank(r)
+        assert rec["consistent"], rec
+        assert rec["step"] == 2 and rec["tier"] == "memory", rec  # step 3's torn replica was not used
+    assert "pulled from node 0" in job.rank(1)["source"]
+
+
+def test_two_nodes_of_two_ranks_pull_once_per_node(launch, tmp_path):
+    nodes = Nodes(tmp_path, 2, per_node=2)
+    saved = run(launch, nodes, "save", TIERSAVE_TEST_STEPS="2")
+    assert saved.rank(0)["replicas"] == {"1": "ok", "2": "ok"} and saved.rank(2)["replicas"] == {"1": "ok", "2": "ok"}
+    assert "replicas" not in saved.rank(1) or saved.rank(1)["replicas"] == {}  # only node leaders replicate
+    nodes.lose(1)
+    job = run(launch, nodes, "restore")
+    for r in range(4):
+        assert job.rank(r)["step"] == 2 and job.rank(r)["consistent"], job.rank(r)
+    assert "pulled from node 0" in job.rank(2)["source"] or "pulled from node 0" in job.rank(3)["source"]
+    assert steps(nodes.memory(1)) == [2]
