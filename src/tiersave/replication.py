@@ -272,6 +272,38 @@ class Replicas:
 
     # -- restore ----------------------------------------------------------------------------------
 
+    def restorable(self, step: int | None) -> set[int] | None:
+        """Collective (every rank, in order): on rank 0, the steps every node can restore from memory, from its
+        own copy or a peer's replica (``step``: that one only); None on the other ranks. So that a job whose
+        rank 0 is on the replacement node still restores from memory."""
+        held: dict[str, Any] = {}
+        if self.leader:
+            for node in self.layout.ranks:
+                if node == self.node:
+                    continue
+                try:
+                    held[str(node)] = Catalog(
+                        MemoryStorage(f"replicas/{self.storage.name}/node-{node}", create=False)
+                    ).steps()
+                except TiersaveError:
+                    continue
+        own: Any = self.tier.catalog.steps()
+        rows = self.group.gather_json({"node": self.node, "own": own, "held": held})
+        if rows is None:
+            return None
+        have: dict[int, set[int]] = {n: set() for n in self.layout.ranks}
+        for row in rows:
+            if not isinstance(row, dict):
+                continue
+            sender, steps_own, theirs = row.get("node"), row.get("own"), row.get("held")
+            if isinstance(sender, int) and sender in have and isinstance(steps_own, list):
+                have[sender].update(s for s in steps_own if isinstance(s, int))
+            for key, steps in theirs.items() if isinstance(theirs, dict) else ():
+                if key.isdigit() and int(key) in have and isinstance(steps, list):
+                    have[int(key)].update(s for s in steps if isinstance(s, int))
+        usable = set.intersection(*have.values())
+        return usable if step is None else usable & {step}
+
     def fetch(self, step: int) -> int:
         """Make this node's part of ``step`` present in the memory tier, pulling it from a holder if it is
         missing. Returns the node it came from (this node's own when present).

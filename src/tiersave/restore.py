@@ -116,7 +116,7 @@ def restore_from(
     last_error: TiersaveError | None = None
     for _ in range(_MAX_RELISTS):
         vanished = False
-        for candidate, holders in _candidates(chain, step, tag, group):
+        for candidate, holders in _candidates(chain, step, tag, group, replicas):
             for tier in holders:
                 error: TiersaveError | None = None
                 source = tier.storage.uri
@@ -182,9 +182,14 @@ them (a writer in another process saving fast with a small ``keep_last``)."""
 
 
 def _candidates(
-    chain: TierChain, step: int | None, tag: str | None, group: CoordinationGroup | None
+    chain: TierChain,
+    step: int | None,
+    tag: str | None,
+    group: CoordinationGroup | None,
+    replicas: Replicas | None = None,
 ) -> list[tuple[int, list[TierRuntime]]]:
-    """The copies to try, newest step first, fastest tier first; in a collective restore, rank 0's list."""
+    """The copies to try, newest step first, fastest tier first; in a collective restore, rank 0's list (with
+    peer replicas: the memory tier for the steps every node has in memory or in a peer's replica)."""
     holders: dict[int, list[TierRuntime]] = {}
     missing: list[CheckpointNotFoundError] = []
     for tier in chain.tiers:
@@ -195,6 +200,10 @@ def _candidates(
             continue
         for s in found:
             holders.setdefault(s, []).append(tier)
+    in_memory = replicas.restorable(step) if replicas is not None and tag is None else None  # collective
+    if replicas is not None and in_memory is not None:  # rank 0's memory may be the one lost: add, never drop
+        for s in in_memory:
+            holders[s] = [replicas.tier, *(t for t in holders.get(s, []) if t is not replicas.tier)]
     if group is not None:
         mine: Json = [[s, [t.name for t in holders[s]]] for s in sorted(holders, reverse=True)]
         plan: Any = group.broadcast_json(mine if group.is_coordinator else None)

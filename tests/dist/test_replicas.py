@@ -4,6 +4,7 @@ when the replica is gone, corrupted or was torn by a crash."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from tiersave.catalog import Catalog
+from tiersave.cli import main as cli_main
 from tiersave.storage.posix import LocalStorage
 
 pytestmark = pytest.mark.dist
@@ -71,20 +73,26 @@ def steps(path: Path) -> list[int]:
     return Catalog(LocalStorage(path, create=False)).steps() if path.exists() else []
 
 
-def test_lost_node_restores_bit_exact_from_the_peer_replica(launch, tmp_path):
+@pytest.mark.parametrize("lost", [1, 0])  # node 0 holds rank 0, which decides which copies the ranks try
+def test_lost_node_restores_bit_exact_from_the_peer_replica(launch, tmp_path, lost, monkeypatch, capsys):
     nodes = Nodes(tmp_path, 2)
     saved = run(launch, nodes, "save")
     for r in range(2):  # each node's leader saw its part replicated, for every step
         assert saved.rank(r)["replicas"] == {"1": "ok", "2": "ok", "3": "ok"}
     assert steps(nodes.replica(0, 1)) == [2, 3]  # node 0 holds node 1's part; retention keep=2 applies
     assert steps(nodes.replica(1, 0)) == [2, 3]
-    nodes.lose(1)
+    monkeypatch.setenv("TIERSAVE_SHM_DIR", str(nodes.shm[0]))  # `tiersave ls` on node 0
+    capsys.readouterr()
+    assert cli_main(["ls", "mem://run", "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [c["step"] for c in listing["checkpoints"]] == [2, 3] and listing["replicas"] == {"1": [2, 3]}
+    nodes.lose(lost)
     job = run(launch, nodes, "restore")
     for r in range(2):
-        assert job.rank(r)["step"] == 3 and job.rank(r)["consistent"], job.rank(r)
-    assert "pulled from node 0" in job.rank(1)["source"]
-    assert "pulled" not in job.rank(0)["source"]
-    assert steps(nodes.memory(1)) == [3]  # the pulled part is in the replacement's memory now
+        assert job.rank(r)["step"] == 3 and job.rank(r)["consistent"] and job.rank(r)["tier"] == "memory", job.rank(r)
+    assert f"pulled from node {1 - lost}" in job.rank(lost)["source"]
+    assert "pulled" not in job.rank(1 - lost)["source"]
+    assert steps(nodes.memory(lost)) == [3]  # the pulled part is in the replacement's memory now
 
 
 def test_replica_also_lost_falls_back_to_the_durable_copy_with_the_reason(launch, tmp_path):
