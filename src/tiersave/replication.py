@@ -152,7 +152,7 @@ class Replicas:
         try:
             rows = group.all_gather_json(mine)
         except BaseException:
-            self.close()
+            self.close(wait=False)
             raise
         ranks: dict[int, list[int]] = {}
         domains: dict[int, str] = {}
@@ -165,7 +165,7 @@ class Replicas:
                 if isinstance(addr, list) and len(addr) == 2 and isinstance(addr[1], int):
                     addresses[ident.node_rank] = PeerAddress(ident.node_rank, str(addr[0]), addr[1])
         if len(ranks) <= self.k:
-            self.close()
+            self.close(wait=False)
             raise ConfigError(
                 f"Tier({self.storage.uri!r}, replicas={self.k}) needs at least {self.k + 1} nodes; this job has "
                 f"{len(ranks)}"
@@ -262,10 +262,17 @@ class Replicas:
         return [self._pool] if self._pool is not None else []
 
     def close(self, wait: bool = True) -> None:
-        """Wait for replication in flight (``wait``), then stop the server."""
+        """Wait for replication in flight (``wait``): this node's, then, in one exchange with every rank (all
+        close their Checkpointer), every other node's, whose holders may be pulling from this node or into it;
+        then stop the server."""
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=wait)
+        if wait and hasattr(self, "layout") and not self.group.poisoned:
+            try:
+                self.group.all_gather_json(None)
+            except TiersaveError as exc:
+                background_warning(f"closing the replicas of {self.storage.uri}: the ranks did not all close: {exc}")
         if self.server is not None:
             self.server.close()
             self.server = None

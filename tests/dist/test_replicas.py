@@ -162,3 +162,27 @@ def test_two_nodes_of_two_ranks_pull_once_per_node(launch, tmp_path):
         assert job.rank(r)["step"] == 2 and job.rank(r)["consistent"], job.rank(r)
     assert "pulled from node 0" in job.rank(2)["source"] or "pulled from node 0" in job.rank(3)["source"]
     assert steps(nodes.memory(1)) == [2]
+
+
+def test_three_nodes_replicas_cross_racks_and_survive_a_rack_loss(launch, tmp_path):
+    """Nodes 0 and 1 in rack A, node 2 in rack B: every replica lands in the other rack, so losing rack A (two
+    nodes at once) still restores every rank from memory, bit-exact."""
+    nodes = Nodes(tmp_path, 3)
+    racks = {0: "rackA", 1: "rackA", 2: "rackB"}
+    rank_env = {r: {**e, "TIERSAVE_FAILURE_DOMAIN": racks[r]} for r, e in nodes.rank_env().items()}
+
+    def go(scenario: str) -> Any:
+        job = launch(scenario, 3, script=SCRIPT, env=nodes.env(), rank_env=rank_env, deadline_s=DEADLINE_S)
+        for r in range(3):
+            assert "crash" not in job.rank(r), job.rank(r)["crash"]
+        return job
+
+    go("save")
+    assert steps(nodes.replica(2, 0)) == [2, 3] and steps(nodes.replica(2, 1)) == [2, 3]  # rack B holds rack A's
+    assert steps(nodes.replica(1, 2)) == [2, 3] and not nodes.replica(0, 1).exists()  # never in the same rack
+    nodes.lose(0)
+    nodes.lose(1)
+    job = go("restore")
+    for r in range(3):
+        assert job.rank(r)["step"] == 3 and job.rank(r)["consistent"] and job.rank(r)["tier"] == "memory", job.rank(r)
+    assert "pulled from node 2" in job.rank(0)["source"] and "pulled from node 2" in job.rank(1)["source"]
