@@ -121,7 +121,7 @@ class Checkpointer:
             event_log=event_log and self._rank == 0,  # one log per job: rank 0's
         )
         first = self._chain.first
-        self._replicas, node_local = attach(self._chain, self._collective)  # on failure, shuts the chain down
+        attach(self._chain, self._collective)  # peer replicas of a memory tier; on failure, shuts the chain down
         self.storage: Storage = first.storage
         self.catalog = first.catalog
         self.events = self._chain.events
@@ -140,7 +140,6 @@ class Checkpointer:
             pool=self._pool,
             log_event=self._chain.log,
             group=self._collective.group if self._collective is not None else None,
-            node_local=node_local,
         )
         self._lock = threading.Lock()
         self._last: SaveHandle | None = None
@@ -455,7 +454,7 @@ class Checkpointer:
         """
         self._check_open()
         result, self.last_restore = restore_from(
-            self._chain, step, tag, into, strict, self._pool, self._collective, rank, self._replicas
+            self._chain, step, tag, into, strict, self._pool, collective=self._collective, rank=rank
         )
         return result
 

@@ -388,26 +388,31 @@ def node_ranks(group: CoordinationGroup) -> Sequence[int]:
     return [i.rank for i in group.identities if i.node_rank == node]
 
 
-def attach(chain: TierChain, collective: Collective | None) -> tuple[Replicas | None, bool]:
-    """The replica set of a Checkpointer's chain (None without ``replicas``), and whether its first tier is
-    node-local (a memory tier in a job on several nodes: each node holds its own ranks' shards). Collective:
-    every rank calls it, in the same order.
+def attach(chain: TierChain, collective: Collective | None) -> Replicas | None:
+    """Give a Checkpointer's chain its peer replicas (one of ``chain.companions``; None without ``replicas``),
+    after checking that a node-local first tier (a memory tier in a job on several nodes: each node holds its
+    own ranks' shards) has no later tier. Collective: every rank calls it, in the same order.
 
     Raises:
         ConfigError: a node-local first tier followed by later tiers (not supported yet), or more replicas
             than other nodes.
     """
     try:
-        replicas, node_local = _attach(chain, collective.group if collective is not None else None)
+        replicas = _attach(chain, collective.group if collective is not None else None)
     except BaseException:
         chain.shutdown(wait=False)
         raise
     if replicas is not None:
-        chain.companions.append(replicas)  # waited for and closed with the chain's drains
-    return replicas, node_local
+        chain.companions.append(replicas)  # waited for and closed with the chain's drains; found by restore
+    return replicas
 
 
-def _attach(chain: TierChain, group: CoordinationGroup | None) -> tuple[Replicas | None, bool]:
+def of(chain: TierChain) -> Replicas | None:
+    """The peer replicas of ``chain``'s memory tier, if it has them."""
+    return next((c for c in chain.companions if isinstance(c, Replicas)), None)
+
+
+def _attach(chain: TierChain, group: CoordinationGroup | None) -> Replicas | None:
     first = chain.first
     k = first.spec.replicas
     nodes = group.identity.num_nodes if group is not None else 1
@@ -419,12 +424,12 @@ def _attach(chain: TierChain, group: CoordinationGroup | None) -> tuple[Replicas
             "its own cadence), and protect the memory tier from node loss with Tier(..., replicas=1)"
         )
     if k == 0:
-        return None, node_local
+        return None
     if nodes == 1:
         background_warning(
             f"Tier({first.storage.uri!r}, replicas={k}) has no effect: this is not a job on several nodes "
             "(torch.distributed with ranks on another node), so there is no peer to hold a replica"
         )
-        return None, node_local
+        return None
     assert group is not None
-    return Replicas(first, group, first.spec.failure_domain), node_local
+    return Replicas(first, group, first.spec.failure_domain)

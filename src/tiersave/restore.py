@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from . import replication
 from .catalog import OpenCheckpoint
 from .collective import Collective, rank_view
 from .engine.reader import ReadRequest
@@ -41,7 +42,6 @@ from .errors import (
 )
 from .format.jsonsafe import paused_gc
 from .format.layout import ALIGN
-from .replication import Replicas, peer_source
 from .state import (
     Target,
     apply_into,
@@ -94,9 +94,9 @@ def restore_from(
     into: Any,
     strict: bool,
     pool: Executor,
+    *,
     collective: Collective | None = None,
     rank: int | None = None,
-    replicas: Replicas | None = None,
 ) -> tuple[Any, RestoreReport]:
     """Restore ``step`` (None: the newest; with ``tag``, the newest carrying it) from the fastest tier holding
     a good copy; see ``Checkpointer.restore`` for the fallback rules and the errors raised.
@@ -104,13 +104,14 @@ def restore_from(
     With ``collective`` (a collective restore), every rank tries rank 0's list of copies in order, reads its own
     part (``rank``) of each, and the ranks move on to the next copy together when any of them could not use
     it, so that all restore the same step. ``rank`` (a single process only) reads that rank's state of a
-    checkpoint saved by several ranks. With ``replicas``, a rank whose memory tier lost the step (a replacement
-    node) pulls its node's part from a peer's replica first."""
+    checkpoint saved by several ranks. With peer replicas of the memory tier, a rank whose memory lost the step
+    (a replacement node) pulls its node's part from a peer's replica first."""
     if collective is not None and rank is not None:
         raise ConfigError("rank= is for reading one rank's state in a single process; each rank restores its own")
     group = collective.group if collective is not None else None
     world_size = collective.world_size if collective is not None else 1
     rank = collective.rank if collective is not None else rank
+    replicas = replication.of(chain)
     start = time.perf_counter()
     skipped: list[tuple[int, str]] = []
     last_error: TiersaveError | None = None
@@ -122,7 +123,7 @@ def restore_from(
                 source = tier.storage.uri
                 chain.protection.hold(tier.index, candidate)  # our own retention must not delete what we read
                 try:
-                    source = peer_source(replicas, tier, candidate)
+                    source = replication.peer_source(replicas, tier, candidate)
                     with tier.catalog.open(candidate) as ckpt:
                         ckpt.manifest = rank_view(ckpt.manifest, rank, world_size)
                         result, nbytes, in_place = Restore(ckpt, into, strict).run(pool)
@@ -160,8 +161,9 @@ def restore_from(
                     continue
                 location = tier.catalog.location(candidate)
                 report = RestoreReport(
-                    candidate, location, nbytes, time.perf_counter() - start, in_place, skipped, tier.name, source
+                    candidate, location, nbytes, time.perf_counter() - start, in_place, skipped, tier.name
                 )
+                report.source = source
                 return result, report
         if not vanished:
             break
@@ -186,7 +188,7 @@ def _candidates(
     step: int | None,
     tag: str | None,
     group: CoordinationGroup | None,
-    replicas: Replicas | None = None,
+    replicas: replication.Replicas | None = None,
 ) -> list[tuple[int, list[TierRuntime]]]:
     """The copies to try, newest step first, fastest tier first; in a collective restore, rank 0's list (with
     peer replicas: the memory tier for the steps every node has in memory or in a peer's replica)."""

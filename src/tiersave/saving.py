@@ -35,6 +35,7 @@ from .format.manifest import Manifest
 from .handle import SaveHandle
 from .state import flatten
 from .storage.base import Storage
+from .storage.memory import MemoryStorage
 from .tiers import TierRuntime
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -117,8 +118,6 @@ class Saver:
         log_event: records failed saves in the event log.
         group: the coordination group of a collective save (every rank saves its part of one checkpoint and
             rank 0 commits it once every rank voted yes), or None for a single process.
-        node_local: the first tier is each node's own (a memory tier on several nodes): rank 0 checks and commits
-            its node's shards, and every other node's leader commits the same manifest over its node's shards.
 
     Thread safety: :meth:`stage` on one caller thread at a time, :meth:`complete` on the commit thread.
     """
@@ -133,15 +132,14 @@ class Saver:
         pool: Executor,
         log_event: Callable[[dict[str, Any]], None],
         group: CoordinationGroup | None = None,
-        node_local: bool = False,
     ) -> None:
         self.group = group
         self.rank = group.rank if group is not None else 0
-        # A node-local first tier (memory on several nodes): each node holds its own ranks' shards, and each
-        # node's leader commits the global manifest there once rank 0 committed it on its own node.
+        # A node-local first tier (memory on several nodes): each node holds its own ranks' shards; rank 0 checks
+        # and commits over its node's, and every other node's leader commits the same manifest over its own.
         self.node_ranks: frozenset[int] | None = None
         self.node_leader = self.rank == 0
-        if node_local and group is not None:
+        if group is not None and isinstance(tier.storage, MemoryStorage) and group.identity.num_nodes > 1:
             me = group.identity
             self.node_ranks = frozenset(i.rank for i in group.identities if i.node_rank == me.node_rank)
             self.node_leader = me.local_rank == 0
