@@ -50,6 +50,7 @@ from .partial import Selection
 from .planner.schedule import SaveCost, Schedule, parse_schedule
 from .policy import RetentionPolicy
 from .references import check_incremental
+from .replication import attach
 from .restore import RestoreReport, restore_from
 from .saving import PendingSave, Saver, SaveRequest
 from .storage.base import Storage
@@ -130,6 +131,7 @@ class Checkpointer:
             event_log=event_log and self._rank == 0,  # one log per job: rank 0's
         )
         first = self._chain.first
+        attach(self._chain, self._collective)  # peer replicas of a memory tier; on failure, shuts the chain down
         self.storage: Storage = first.storage
         self.catalog = first.catalog
         self.events = self._chain.events
@@ -399,6 +401,8 @@ class Checkpointer:
         if pending.manifest is not None and self._rank == 0:
             self._chain.after_commit(pending.handle, pending.manifest, pending.started_wall)
             return
+        if pending.manifest is not None:  # another node's leader: its node's memory tier holds the step too
+            self._chain.after_node_commit(pending.handle, pending.manifest)
         if pending.info is not None:  # another rank: rank 0 committed the global manifest and described it
             pending.handle._set_result(pending.info)
 

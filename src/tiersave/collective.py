@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -222,14 +222,19 @@ def _replicated_layout(step: int, parts: Sequence[Any]) -> dict[str, Any] | None
     return first
 
 
-def check_shards_visible(storage: Storage, prefix: str, manifest: Manifest) -> None:
-    """Rank 0, before committing: every rank's shard is where the commit will make it visible, at its size.
+def check_shards_visible(
+    storage: Storage, prefix: str, manifest: Manifest, ranks: Collection[int] | None = None
+) -> None:
+    """Rank 0, before committing: every rank's shard is where the commit will make it visible, at its size
+    (only the shards of ``ranks`` when given: a node-local memory tier holds its own node's ranks' shards).
 
     Raises:
         CorruptCheckpointError: a shard is missing or has another size: the root is not shared by the ranks
             (each node has its own disk or memory), or a rank's write went elsewhere.
     """
     for shard in manifest.shards:
+        if ranks is not None and shard.rank not in ranks:
+            continue
         key = f"{prefix}/{shard.file.rsplit('/', 1)[-1]}"
         try:
             size = storage.head(key).size

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from . import replication
 from .catalog import OpenCheckpoint
 from .collective import Collective, rank_view
 from .engine.reader import ReadRequest
@@ -78,6 +79,8 @@ class RestoreReport:
         mismatched: (``strict=False``) saved tensors whose shape differs from the live one: not read, the live
             tensor keeps its value.
         cast: paths of tensors converted to another dtype (``cast=True`` or ``dtype=``).
+        source: where this rank's bytes came from: the tier's URI, or, for a memory tier with replicas whose
+            copy was lost with its node, the peer node whose replica was pulled first.
     """
 
     step: int
@@ -91,6 +94,7 @@ class RestoreReport:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     cast: list[str] = field(default_factory=list)
+    source: str = ""
 
 
 def restore_from(
@@ -111,12 +115,15 @@ def restore_from(
     With ``collective`` (a collective restore), every rank tries rank 0's list of copies in order, reads its own
     part (``rank``) of each, and the ranks move on to the next copy together when any of them could not use
     it, so that all restore the same step. ``rank`` (a single process only) reads that rank's state of a
-    checkpoint saved by several ranks. ``selection``: the part to read (``keys=``) and the dtype cast."""
+    checkpoint saved by several ranks. ``selection``: the part to read (``keys=``) and the dtype cast. With peer
+    replicas of the memory tier, a rank whose memory lost the step (a replacement node) pulls its node's part
+    from a peer's replica first."""
     if collective is not None and rank is not None:
         raise ConfigError("rank= is for reading one rank's state in a single process; each rank restores its own")
     group = collective.group if collective is not None else None
     world_size = collective.world_size if collective is not None else 1
     rank = collective.rank if collective is not None else rank
+    replicas = replication.of(chain)
     start = time.perf_counter()
     if group is None or group.is_coordinator:
         _warn_damaged(chain)
@@ -124,11 +131,13 @@ def restore_from(
     last_error: TiersaveError | None = None
     for _ in range(_MAX_RELISTS):
         vanished = False
-        for candidate, holders in _candidates(chain, step, tag, group):
+        for candidate, holders in _candidates(chain, step, tag, group, replicas):
             for tier in holders:
                 error: TiersaveError | None = None
+                source = tier.storage.uri
                 chain.protection.hold(tier.index, candidate)  # our own retention must not delete what we read
                 try:
+                    source = replication.peer_source(replicas, tier, candidate)
                     with tier.catalog.open(candidate) as ckpt:
                         ckpt.manifest = rank_view(ckpt.manifest, rank, world_size)
                         job = Restore(ckpt, into, strict, selection)
@@ -172,6 +181,7 @@ def restore_from(
                 for what in ("missing", "unexpected", "mismatched", "cast"):  # what a partial restore left out
                     setattr(report, what, getattr(job.loaded, what))
                 job.loaded.log(candidate)
+                report.source = source
                 return result, report
         if not vanished:
             break
@@ -205,9 +215,14 @@ them (a writer in another process saving fast with a small ``keep_last``)."""
 
 
 def _candidates(
-    chain: TierChain, step: int | None, tag: str | None, group: CoordinationGroup | None
+    chain: TierChain,
+    step: int | None,
+    tag: str | None,
+    group: CoordinationGroup | None,
+    replicas: replication.Replicas | None = None,
 ) -> list[tuple[int, list[TierRuntime]]]:
-    """The copies to try, newest step first, fastest tier first; in a collective restore, rank 0's list."""
+    """The copies to try, newest step first, fastest tier first; in a collective restore, rank 0's list (with
+    peer replicas: the memory tier for the steps every node has in memory or in a peer's replica)."""
     holders: dict[int, list[TierRuntime]] = {}
     missing: list[CheckpointNotFoundError] = []
     for tier in chain.tiers:
@@ -218,6 +233,10 @@ def _candidates(
             continue
         for s in found:
             holders.setdefault(s, []).append(tier)
+    in_memory = replicas.restorable(step) if replicas is not None and tag is None else None  # collective
+    if replicas is not None and in_memory is not None:  # rank 0's memory may be the one lost: add, never drop
+        for s in in_memory:
+            holders[s] = [replicas.tier, *(t for t in holders.get(s, []) if t is not replicas.tier)]
     if group is not None:
         mine: Json = [[s, [t.name for t in holders[s]]] for s in sorted(holders, reverse=True)]
         plan: Any = group.broadcast_json(mine if group.is_coordinator else None)

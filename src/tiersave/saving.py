@@ -29,6 +29,7 @@ from .engine.increment import Increment
 from .engine.pipeline import GROUP_BYTES, StagedWrite, Written, plan_save
 from .engine.stage import HostCopier, StagingArena, needs_pinned
 from .errors import ConfigError, DistributedCheckpointError, FormatError, SaveError
+from .events import background_warning
 from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
 from .format.layout import MAX_STEP, align_up, is_valid_tag, shard_filename
 from .format.manifest import Manifest
@@ -37,6 +38,7 @@ from .references import CHAIN_STAT, Incremental, chain_of, check_holders, wants_
 from .replicated import Selection, assign, check_declaration, normalize_keys, select
 from .state import FlatState, FlatTensor, flatten
 from .storage.base import Storage
+from .storage.memory import MemoryStorage
 from .tiers import TierRuntime
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -150,6 +152,14 @@ class Saver:
         self.group = group
         self.incremental = incremental
         self.rank = group.rank if group is not None else 0
+        # A node-local first tier (memory on several nodes): each node holds its own ranks' shards; rank 0 checks
+        # and commits over its node's, and every other node's leader commits the same manifest over its own.
+        self.node_ranks: frozenset[int] | None = None
+        self.node_leader = self.rank == 0
+        if group is not None and isinstance(tier.storage, MemoryStorage) and group.identity.num_nodes > 1:
+            me = group.identity
+            self.node_ranks = frozenset(i.rank for i in group.identities if i.node_rank == me.node_rank)
+            self.node_leader = me.local_rank == 0
         self.storage: Storage = tier.storage
         self.catalog = tier.catalog
         self.commit = tier.commit
@@ -199,6 +209,11 @@ class Saver:
         keys = request.replicated
         if self.group is None or not keys or keys in self.checked_replicated:
             return
+        if self.node_ranks is not None:  # a replicated tensor would lie in one node's memory only
+            raise ConfigError(
+                "replicated= is not supported with a memory first tier on several nodes: each node's memory must "
+                "hold every tensor its ranks restore; save without replicated= (peer replicas cover node loss)"
+            )
         serial.submit(check_declaration, self.group, state, keys, request.step).result()
         self.checked_replicated.add(keys)
 
@@ -352,7 +367,7 @@ class Saver:
         """Clean up a failed save and store its error. The attempt's prefix is removed by its owner: the
         process itself, or rank 0 of a collective save once every rank has cleaned up its own part."""
         self._settle(p.request.step)
-        if self.rank == 0:
+        if self.rank == 0 or (self.node_ranks is not None and self.node_leader):
             self._abort_prefix(p.prefix)
         failed = {"step": p.request.step, "outcome": "failed", "time": p.started_wall, "error": str(exc)}
         self.log_event({**failed, **p.handle.stats.to_json()})
@@ -403,17 +418,44 @@ class Saver:
                 metadata=request.metadata,
                 stats=stats.to_json(),
             )
-            check_shards_visible(self.storage, p.prefix, manifest)
-            self.commit.commit(p.prefix, request.step, manifest.to_json())
+            check_shards_visible(self.storage, p.prefix, manifest, self.node_ranks)
+            data = manifest.to_json()
+            self.commit.commit(p.prefix, request.step, data)
             p.manifest = manifest
             stats.commit_s = time.perf_counter() - t_commit
             info = CheckpointInfo.from_manifest(manifest, self.catalog.location(request.step))
-            return {**info.to_json(), "stats": info.stats}  # so no other rank reads the global manifest back
+            result = {**info.to_json(), "stats": info.stats}  # so no other rank reads the global manifest back
+            if self.node_ranks is not None:  # every node's leader commits it over its own node's shards
+                result["manifest"] = data.decode()
+            return result
 
         part = rank_part(self.rank, written.shards, written.tensors, p.tree, p.replicated)
         outcome = self.group.vote(request.step, part, commit=commit if self.rank == 0 else None)
         if self.rank != 0:
             p.info = CheckpointInfo.from_json(outcome.result)  # type: ignore[arg-type]
+            if self.node_ranks is not None and self.node_leader:
+                self._commit_node(p, outcome.result)
+
+    def _commit_node(self, p: PendingSave, result: Any) -> None:
+        """A node leader of a node-local tier, after rank 0 committed: commit the global manifest over this
+        node's shards. A failure here loses this node's copy only (a warning says so); the step is committed."""
+        step = p.request.step
+        try:
+            text = result.get("manifest") if isinstance(result, dict) else None
+            if not isinstance(text, str):
+                raise FormatError(f"step {step}: rank 0 sent no manifest for this node's copy")
+            data = text.encode()
+            manifest = Manifest.parse(data, path=f"rank 0's manifest of step {step}", expect_step=step)
+            check_shards_visible(self.storage, p.prefix, manifest, self.node_ranks)
+            self.commit.commit(p.prefix, step, data)
+        except Exception as exc:
+            self._abort_prefix(p.prefix)
+            background_warning(
+                f"step {step} is committed, but this node's copy in {self.storage.uri} could not be: {exc}; "
+                "its ranks restore it from a peer's replica or another tier"
+            )
+            return
+        p.manifest = manifest
 
     def vote_no(self, step: int, exc: BaseException, prefix: str | None = None) -> None:
         """Commit thread, after this rank failed to stage ``step`` (its caller already got the error): vote

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
 from .catalog import Catalog, CheckpointInfo
@@ -78,6 +78,11 @@ class Tier:
             Default: the Checkpointer's ``keep_last``, or keep 2 on a non-durable (memory) tier.
         io: for a local path, ``"auto"``, ``"direct"`` or ``"buffered"`` I/O (None: ``TIERSAVE_IO``, else
             auto, which calibrates once per file system).
+        replicas: for the first tier, a memory tier (``mem://NAME``) of a job on several nodes: hold each
+            node's part of every checkpoint in the memory of this many other nodes too, so that a lost node's
+            replacement restores from a peer's RAM (docs/tiers.md, "Peer-memory replicas").
+        failure_domain: with ``replicas``, this node's failure domain (e.g. its rack): replicas go to nodes of
+            other domains first. None: ``TIERSAVE_FAILURE_DOMAIN``, else every node is its own domain.
     """
 
     uri: str | os.PathLike[str] | Storage
@@ -86,8 +91,16 @@ class Tier:
     every_s: float | None = None
     keep: RetentionPolicy | int | str | None = None
     io: str | None = None
+    replicas: int = 0
+    failure_domain: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
+            raise ConfigError(f"Tier replicas must be a non-negative integer, got {self.replicas!r}")
+        if self.failure_domain is not None and (
+            not isinstance(self.failure_domain, str) or not self.failure_domain.strip()
+        ):
+            raise ConfigError(f"Tier failure_domain must be a non-empty string, got {self.failure_domain!r}")
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ConfigError(f"Tier every must be a positive integer, got {self.every!r}")
         if self.every_s is not None:
@@ -184,6 +197,17 @@ class TierRuntime:
                 pool.shutdown(wait=wait)
 
 
+class Companion(Protocol):
+    """Background work that lives beside a chain's drains (the peer replicas of its memory tier): the
+    Checkpointer waits for its pools like for the drains, and closes it with the chain."""
+
+    def after_commit(self, handle: SaveHandle, chain: TierChain) -> None: ...
+
+    def pools(self) -> builtins.list[DaemonThreadPool]: ...
+
+    def close(self, wait: bool = True) -> None: ...
+
+
 class Protection:
     """Steps that retention must not delete, per tier: being drained from, or being restored."""
 
@@ -215,6 +239,9 @@ def check_chain(tiers: list[TierRuntime]) -> None:
     first = tiers[0].spec
     if first.every != 1 or first.every_s is not None:
         raise ConfigError(f"the first tier ({tiers[0].name}) receives every save; give cadences to later tiers")
+    for later in tiers[1:]:
+        if later.spec.replicas:
+            raise ConfigError(f"replicas= applies to the first tier (a memory tier), not to {later.name}")
     names = [t.name for t in tiers]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -261,6 +288,7 @@ class TierChain:
         self._lock = threading.Lock()  # a tier's busy/behind state: the commit thread and its drain thread
         self._last_commit_mono: float | None = None
         self._save_period_s: float | None = None
+        self.companions: builtins.list[Companion] = []  # background work beside the drains (peer replicas)
 
     @classmethod
     def of(
@@ -299,6 +327,8 @@ class TierChain:
     def shutdown(self, wait: bool) -> None:
         for tier in self.tiers:
             tier.shutdown(wait=wait)
+        for companion in getattr(self, "companions", ()):  # absent when a tier failed to open
+            companion.close(wait=wait)
 
     def calibrate(self) -> None:
         """Calibrate now the I/O policy of every tier that has one (local file systems), not at a first save."""
@@ -309,7 +339,8 @@ class TierChain:
 
     def background_pools(self) -> builtins.list[DaemonThreadPool]:
         """The drain threads, whose queues ``Checkpointer.wait`` waits out."""
-        return [t.drainer for t in self.tiers if t.drainer is not None]
+        pools = [t.drainer for t in self.tiers if t.drainer is not None]
+        return pools + [p for c in self.companions for p in c.pools()]
 
     # -- listing ----------------------------------------------------------------------------------
 
@@ -360,6 +391,8 @@ class TierChain:
             gap = now - self._last_commit_mono
             self._save_period_s = gap if self._save_period_s is None else 0.7 * self._save_period_s + 0.3 * gap
         self._last_commit_mono = now
+        for companion in self.companions:  # before the handle resolves: they add their futures to it
+            companion.after_commit(handle, self)
         info = self.first.catalog.remember(manifest)
         self.log(
             {
@@ -375,6 +408,15 @@ class TierChain:
                 self._send(tier, handle, now)
         handle._set_result(info)
         # retention, and the leftovers of dead writers of this host (a killed save's temporary files)
+        self.retain(self.first, self.first.policy, leftovers=True)
+
+    def after_node_commit(self, handle: SaveHandle, manifest: Manifest) -> None:
+        """Commit thread of another node's leader, once it committed ``manifest`` in its node-local first tier
+        (rank 0 runs :meth:`after_commit`): record it, start the companions' work (replicas) and apply the
+        tier's retention on this node."""
+        for companion in self.companions:
+            companion.after_commit(handle, self)
+        self.first.catalog.remember(manifest)
         self.retain(self.first, self.first.policy, leftovers=True)
 
     def _send(self, tier: TierRuntime, handle: SaveHandle, now: float) -> None:

@@ -16,8 +16,8 @@ import torch
 import tiersave
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ckpt_workers  # noqa: E402
-from ckpt_workers import error_record  # noqa: E402
+import ckpt_workers
+from ckpt_workers import error_record
 
 TIMEOUT_S = float(os.environ.get("TIERSAVE_DIST_TIMEOUT", "10"))
 ROOT = Path(os.environ.get("TIERSAVE_TEST_ROOT", "/nonexistent"))

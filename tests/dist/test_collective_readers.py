@@ -29,7 +29,13 @@ def test_readers_during_multi_rank_saves_and_retention_never_see_a_torn_or_corru
     from replicated_workers import loop_state
 
     root = tmp_path / "ckpt"
-    job = launch("save_loop_keep1", 3, env={"TIERSAVE_TEST_ROOT": str(root), "TIERSAVE_DIST_TIMEOUT": str(TIMEOUT)}, script=SCRIPT, background=True)
+    job = launch(
+        "save_loop_keep1",
+        3,
+        env={"TIERSAVE_TEST_ROOT": str(root), "TIERSAVE_DIST_TIMEOUT": str(TIMEOUT)},
+        script=SCRIPT,
+        background=True,
+    )
     restores = verifies = torn = corrupt = vanished = 0
     try:
         deadline = time.monotonic() + 60

@@ -119,4 +119,3 @@ def test_a_rank_whose_state_lacks_a_declared_key_is_named_on_every_rank(launch, 
     failure = job.rank(0)["save1"]
     assert failure["type"] == "ConfigError" and "rank(s) [1] does not fit replicated=" in failure["message"]
     assert failure["elapsed"] < TIMEOUT
-

@@ -56,6 +56,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.catalog",
             "tiersave.commit",
             "tiersave.restore",
+            "tiersave.replication",
+            "tiersave.replica",
             "tiersave.export",
             "tiersave.handle",
             "tiersave.policy",

@@ -110,12 +110,31 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
         text += "\n\ndamaged (a step directory without manifest.json: not a checkpoint; nothing removes it):\n"
         text += "\n".join(f"  {x['root']}: {x['name']}" for x in damaged)
     doc: dict[str, Any] = {"checkpoints": items, "leftovers": leftovers, "damaged": damaged}
+    held_here = _replicas_held(catalogs[0].storage) if len(catalogs) == 1 else {}
+    if held_here:
+        doc["replicas"] = {str(node): steps for node, steps in held_here.items()}
+        text += "\n\npeer replicas held on this node (tiersave ls mem://replicas/NAME/node-N):\n"
+        text += "\n".join(
+            f"  node {node}: steps {', '.join(map(str, steps)) or '-'}" for node, steps in held_here.items()
+        )
     if len(catalogs) == 1:
         doc["root"] = catalogs[0].storage.uri
     else:
         doc["roots"] = [{"name": n, "uri": c.storage.uri} for n, c in zip(names, catalogs)]
     out.emit(doc, text)
     return EXIT_OK if held else EXIT_FAILURE  # nothing committed: a typo in the root, or a run that never saved
+
+
+def _replicas_held(storage: Any) -> dict[int, list[int]]:
+    """For a memory tier: the committed steps of each other node's part that this node holds as a replica."""
+    from ..catalog import Catalog
+    from ..storage.memory import MemoryStorage, shm_base
+
+    if not isinstance(storage, MemoryStorage):
+        return {}
+    base = shm_base().joinpath("replicas", *storage.name.split("/"))
+    nodes = sorted(int(p.name[5:]) for p in base.glob("node-*") if p.name[5:].isdigit()) if base.is_dir() else []
+    return {n: Catalog(MemoryStorage(f"replicas/{storage.name}/node-{n}", create=False)).steps() for n in nodes}
 
 
 def _pick_step(catalog: Any, step: int | None, tag: str | None) -> int:

@@ -1,0 +1,435 @@
+"""Peer-memory replicas: each node's part of a checkpoint in the memory tier is also held in the memory of K
+other nodes, so the replacement of a lost node restores from a peer's RAM instead of the durable store.
+
+``Tier("mem://NAME", replicas=K)`` as the first tier of a collective Checkpointer on several nodes turns this on:
+
+- Placement (:func:`ring`, :func:`holders`): the nodes are ordered on a ring that alternates failure domains
+  (``failure_domain=`` or ``TIERSAVE_FAILURE_DOMAIN``, e.g. a rack name; default: every node is its own), and
+  node n's part goes to the K next nodes on the ring, preferring nodes outside n's domain. Every rank computes
+  the same placement from the identities and domains exchanged once, at construction.
+- Replication (:meth:`Replicas.after_commit`): once a step is globally committed, the node leader (local rank
+  0) asks each of its node's holders to pull the node's part (``replica.fetch_part``: CRC of every chunk on
+  arrival, published by rename when complete) into ``<shm>/replicas/NAME/node-<n>/``; on a background thread
+  of its own, so the training loop never waits for it. ``handle.tier_result("<tier>.replica")`` reports it on
+  node leaders; ``Checkpointer.close()`` and ``wait()`` wait for it. Retention of each replica namespace follows
+  the tier's policy (applied by the holder after each replica it publishes).
+- Restore (:meth:`Replicas.fetch`): a rank whose memory tier lacks the step the job restores (a replacement
+  node, its memory empty) pulls its node's part back from the first holder that has a valid copy (one rank of
+  the node pulls, the others wait on a lock file), then reads it as usual; no valid replica raises an error
+  naming each holder and why, and the restore falls back to the next tier.
+
+Scope: placement, the per-Checkpointer replica set (server, replicator thread, peer fetch on restore).
+Anti-scope: the wire and the verified copy (replica.py), the commit of the memory tier (saving.py), which copy
+the ranks restore (restore.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .catalog import Catalog, CheckpointInfo
+from .engine.pool import DaemonThreadPool
+from .errors import CheckpointNotFoundError, ConfigError, TiersaveError
+from .events import background_warning
+from .replica import PeerAddress, PeerClient, ReplicaServer, fetch_part, is_copy_error
+from .storage.base import Storage
+from .storage.memory import MemoryStorage
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .collective import Collective
+    from .dist import CoordinationGroup
+    from .handle import SaveHandle
+    from .tiers import TierChain, TierRuntime
+
+__all__ = ["Replicas", "holders", "ring"]
+
+DOMAIN_ENV = "TIERSAVE_FAILURE_DOMAIN"
+HOST_ENV = "TIERSAVE_REPLICA_HOST"
+_REPLICATE_GBPS = 0.05  # the slowest transfer allowed before a replication times out (on top of timeout_s)
+_LOCK_NAME = ".peer-fetch.lock"
+
+
+def ring(domains: Mapping[int, str]) -> list[int]:
+    """The nodes on a ring whose neighbours are in different failure domains where possible: domains in order
+    of their first node, their nodes taken in turn (rack A's first, rack B's first, rack A's second...)."""
+    by_domain: dict[str, list[int]] = {}
+    for node in sorted(domains):
+        by_domain.setdefault(domains[node], []).append(node)
+    queues = list(by_domain.values())
+    out: list[int] = []
+    while any(queues):
+        out.extend(q.pop(0) for q in queues if q)
+    return out
+
+
+def holders(node: int, domains: Mapping[int, str], k: int) -> list[int]:
+    """The ``k`` nodes that hold ``node``'s replica: the next ones on the ring, outside ``node``'s failure
+    domain (and outside each other's) first, then any other node in ring order."""
+    order = ring(domains)
+    pos = order.index(node)
+    after = [order[(pos + i) % len(order)] for i in range(1, len(order))]
+    chosen: list[int] = []
+    used = {domains[node]}
+    for candidate in after:  # first pass: a domain not yet holding a copy
+        if len(chosen) < k and domains[candidate] not in used:
+            chosen.append(candidate)
+            used.add(domains[candidate])
+    for candidate in after:
+        if len(chosen) < k and candidate not in chosen:
+            chosen.append(candidate)
+    return chosen
+
+
+def _advertised_host() -> str:
+    """The address peers reach this node at: ``TIERSAVE_REPLICA_HOST``, else the interface that routes to
+    torchrun's ``MASTER_ADDR`` (no packet is sent), else the hostname's address."""
+    explicit = os.environ.get(HOST_ENV)
+    if explicit:
+        return explicit
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master, 9))
+            return str(probe.getsockname()[0])
+    return socket.gethostbyname(socket.gethostname())
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who is where, the same on every rank: each node's ranks, failure domain and replica server."""
+
+    node: int
+    ranks: dict[int, list[int]]
+    domains: dict[int, str]
+    addresses: dict[int, PeerAddress]
+    k: int
+
+    def holders(self, node: int) -> list[int]:
+        return holders(node, self.domains, self.k)
+
+
+class Replicas:
+    """The peer-memory replicas of one Checkpointer's memory tier (every rank has one; the node leader
+    serves and replicates). Collective construction: every rank builds it, in the same order.
+
+    Args:
+        tier: the first tier, a memory tier with ``replicas > 0``.
+        group: the job's coordination group.
+        failure_domain: this node's failure domain (None: ``TIERSAVE_FAILURE_DOMAIN``, else the node itself).
+
+    Raises:
+        ConfigError: more replicas than other nodes, or a memory tier that is not ``mem://``.
+    """
+
+    def __init__(self, tier: TierRuntime, group: CoordinationGroup, failure_domain: str | None = None) -> None:
+        if not isinstance(tier.storage, MemoryStorage):
+            raise ConfigError(f"replicas= needs a memory tier (mem://NAME), not {tier.storage.uri}")
+        self.tier = tier
+        self.storage: MemoryStorage = tier.storage
+        self.k = tier.spec.replicas
+        self.timeout_s = group.timeout_s
+        self.group = group
+        me = group.identity
+        self.leader = me.local_rank == 0
+        domain = failure_domain if failure_domain is not None else os.environ.get(DOMAIN_ENV) or f"node-{me.node_rank}"
+        self._token = f"{group.nonce}-{self.storage.name}"
+        self.server: ReplicaServer | None = None
+        if self.leader and me.num_nodes > self.k:
+            self.server = ReplicaServer(
+                _advertised_host(), self._token, self.timeout_s, self.namespace, self._retain, me.node_rank
+            )
+        mine: Any = {"domain": str(domain), "addr": None}
+        if self.server is not None:
+            mine["addr"] = [self.server.address.host, self.server.address.port]
+        try:
+            rows = group.all_gather_json(mine)
+        except BaseException:
+            self.close(wait=False)
+            raise
+        ranks: dict[int, list[int]] = {}
+        domains: dict[int, str] = {}
+        addresses: dict[int, PeerAddress] = {}
+        for ident, row in zip(group.identities, rows, strict=True):
+            ranks.setdefault(ident.node_rank, []).append(ident.rank)
+            if ident.local_rank == 0 and isinstance(row, dict):
+                domains[ident.node_rank] = str(row.get("domain"))
+                addr = row.get("addr")
+                if isinstance(addr, list) and len(addr) == 2 and isinstance(addr[1], int):
+                    addresses[ident.node_rank] = PeerAddress(ident.node_rank, str(addr[0]), addr[1])
+        if len(ranks) <= self.k:
+            self.close(wait=False)
+            raise ConfigError(
+                f"Tier({self.storage.uri!r}, replicas={self.k}) needs at least {self.k + 1} nodes; this job has "
+                f"{len(ranks)}"
+            )
+        self.layout = Layout(me.node_rank, ranks, domains, addresses, self.k)
+        self._pool = DaemonThreadPool(1, "tiersave-replicate") if self.leader else None
+        self.result_name = f"{tier.name}.replica"
+        self._fetched_from: dict[int, int] = {}  # step -> the holder this process pulled it from
+
+    @property
+    def node(self) -> int:
+        return self.layout.node
+
+    def namespace(self, ns: str) -> Storage:
+        """``own`` -> the memory tier; ``node-<n>`` -> the replica of node n held here."""
+        if ns == "own":
+            return self.storage
+        return MemoryStorage(f"replicas/{self.storage.name}/{ns}")
+
+    def _retain(self, node: int, step: int) -> None:
+        """Holder, after publishing node ``node``'s replica of ``step``: the tier's retention on that namespace,
+        and the leftovers of copies killed midway (their process is dead)."""
+        try:
+            Catalog(self.namespace(f"node-{node}")).prune(policy=self.tier.policy, leftovers=True)
+        except TiersaveError as exc:
+            background_warning(f"retention of node {node}'s replica on node {self.node} failed: {exc}")
+
+    # -- replication ------------------------------------------------------------------------------
+
+    def after_commit(self, handle: SaveHandle, chain: TierChain) -> None:
+        """Commit thread of a node leader, once ``handle``'s step is committed in its memory: replicate its
+        node's part in the background (the handle's ``<tier>.replica`` future reports it)."""
+        if self._pool is None:
+            return
+        future: Future[CheckpointInfo | None] = Future()
+        handle.tiers[self.result_name] = future
+        chain.protection.hold(0, handle.step)  # our own retention must not delete what the holders pull
+        try:
+            self._pool.submit(self._replicate, handle.step, chain, future)
+        except BaseException:
+            chain.protection.release(0, handle.step)
+            raise
+
+    def _replicate(self, step: int, chain: TierChain, future: Future[CheckpointInfo | None]) -> None:
+        started = time.perf_counter()
+        failures: list[str] = []
+        copied = 0
+        try:
+            me = self.layout.addresses[self.node]
+            nbytes = self.storage.used_bytes()  # an upper bound of the step's size, for the timeout
+            limit = self.timeout_s + nbytes / (_REPLICATE_GBPS * 1e9)
+            for holder in self.layout.holders(self.node):
+                address = self.layout.addresses.get(holder)
+                if address is None:
+                    failures.append(f"node {holder} runs no replica server")
+                    continue
+                client = PeerClient(address, self._token, self.timeout_s)
+                try:
+                    reply = client.replicate(me, step, self.layout.ranks[self.node], limit)
+                    copied += int(reply.get("bytes", 0))
+                except TiersaveError as exc:
+                    failures.append(str(exc))
+        finally:
+            chain.protection.release(0, step)
+        seconds = time.perf_counter() - started
+        chain.log(
+            {
+                "step": step,
+                "tier": self.result_name,
+                "node": self.node,
+                "outcome": "replica_failed" if failures else "replicated",
+                "time": time.time(),
+                "total_s": round(seconds, 6),
+                "stored_bytes": copied,
+                **({"error": "; ".join(failures)} if failures else {}),
+            }
+        )
+        if failures:
+            error = CheckpointNotFoundError(
+                f"step {step}: node {self.node}'s replica is missing on a peer: " + "; ".join(failures)
+            )
+            background_warning(
+                f"replicating step {step} of {self.storage.uri} from node {self.node} failed: {error}; the step "
+                "is still in this node's memory and on the tiers it drains to"
+            )
+            future.set_exception(error)
+            return
+        try:
+            future.set_result(self.tier.catalog.info(step))
+        except TiersaveError as exc:  # deleted meanwhile by retention: replicated all the same
+            future.set_exception(exc)
+
+    def pools(self) -> list[DaemonThreadPool]:
+        return [self._pool] if self._pool is not None else []
+
+    def close(self, wait: bool = True) -> None:
+        """Wait for replication in flight (``wait``): this node's, then, in one exchange with every rank (all
+        close their Checkpointer), every other node's, whose holders may be pulling from this node or into it;
+        then stop the server."""
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=wait)
+        if wait and hasattr(self, "layout") and not self.group.poisoned:
+            try:
+                self.group.all_gather_json(None)
+            except TiersaveError as exc:
+                background_warning(f"closing the replicas of {self.storage.uri}: the ranks did not all close: {exc}")
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    # -- restore ----------------------------------------------------------------------------------
+
+    def restorable(self, step: int | None) -> set[int] | None:
+        """Collective (every rank, in order): on rank 0, the steps every node can restore from memory, from its
+        own copy or a peer's replica (``step``: that one only); None on the other ranks. So that a job whose
+        rank 0 is on the replacement node still restores from memory."""
+        held: dict[str, Any] = {}
+        if self.leader:
+            for node in self.layout.ranks:
+                if node == self.node:
+                    continue
+                try:
+                    held[str(node)] = Catalog(
+                        MemoryStorage(f"replicas/{self.storage.name}/node-{node}", create=False)
+                    ).steps()
+                except TiersaveError:
+                    continue
+        own: Any = self.tier.catalog.steps()
+        rows = self.group.gather_json({"node": self.node, "own": own, "held": held})
+        if rows is None:
+            return None
+        have: dict[int, set[int]] = {n: set() for n in self.layout.ranks}
+        for row in rows:
+            if not isinstance(row, dict):
+                continue
+            sender, steps_own, theirs = row.get("node"), row.get("own"), row.get("held")
+            if isinstance(sender, int) and sender in have and isinstance(steps_own, list):
+                have[sender].update(s for s in steps_own if isinstance(s, int))
+            for key, steps in theirs.items() if isinstance(theirs, dict) else ():
+                if key.isdigit() and int(key) in have and isinstance(steps, list):
+                    have[int(key)].update(s for s in steps if isinstance(s, int))
+        usable = set.intersection(*have.values())
+        return usable if step is None else usable & {step}
+
+    def fetch(self, step: int) -> int:
+        """Make this node's part of ``step`` present in the memory tier, pulling it from a holder if it is
+        missing. Returns the node it came from (this node's own when present).
+
+        Raises:
+            CheckpointNotFoundError: no holder has a valid replica (the message names each and why).
+        """
+        if step in self.tier.catalog.steps():
+            return self.node
+        with self._fetch_lock():
+            if step in self.tier.catalog.steps():  # another rank of this node pulled it meanwhile
+                return self._fetched_from.get(step, self.node)
+            reasons: list[str] = []
+            for holder in self.layout.holders(self.node):
+                address = self.layout.addresses.get(holder)
+                if address is None:
+                    reasons.append(f"node {holder} runs no replica server")
+                    continue
+                try:
+                    fetch_part(
+                        PeerClient(address, self._token, self.timeout_s),
+                        f"node-{self.node}",
+                        self.storage,
+                        step,
+                        set(self.layout.ranks[self.node]),
+                    )
+                except Exception as exc:
+                    if not is_copy_error(exc):
+                        raise
+                    reasons.append(f"node {holder}: {exc}")
+                    continue
+                self._fetched_from[step] = holder
+                return holder
+        raise CheckpointNotFoundError(
+            f"step {step} is not in {self.storage.uri} on node {self.node} and no peer holds a valid replica: "
+            + "; ".join(reasons)
+        )
+
+    @contextlib.contextmanager
+    def _fetch_lock(self) -> Any:
+        """One rank per node pulls; the node's other ranks wait (bounded) and then find the step present."""
+        path = os.path.join(self.storage.root, _LOCK_NAME)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise CheckpointNotFoundError(
+                            f"another rank of node {self.node} held {path} for {self.timeout_s:g} s"
+                        ) from None
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)
+
+
+def peer_source(replicas: Replicas | None, tier: TierRuntime, step: int) -> str:
+    """Where a restore of ``step`` from ``tier`` takes this rank's bytes from: the tier itself, or a peer
+    (pulled into the tier first). Raises as :meth:`Replicas.fetch`."""
+    if replicas is None or tier is not replicas.tier:
+        return tier.storage.uri
+    source = replicas.fetch(step)
+    if source == replicas.node:
+        return tier.storage.uri
+    return f"{tier.storage.uri} (pulled from node {source}'s replica)"
+
+
+def node_ranks(group: CoordinationGroup) -> Sequence[int]:
+    """The ranks on this rank's node."""
+    node = group.identity.node_rank
+    return [i.rank for i in group.identities if i.node_rank == node]
+
+
+def attach(chain: TierChain, collective: Collective | None) -> Replicas | None:
+    """Give a Checkpointer's chain its peer replicas (one of ``chain.companions``; None without ``replicas``),
+    after checking that a node-local first tier (a memory tier in a job on several nodes: each node holds its
+    own ranks' shards) has no later tier. Collective: every rank calls it, in the same order.
+
+    Raises:
+        ConfigError: a node-local first tier followed by later tiers (not supported yet), or more replicas
+            than other nodes.
+    """
+    try:
+        replicas = _attach(chain, collective.group if collective is not None else None)
+    except BaseException:
+        chain.shutdown(wait=False)
+        raise
+    if replicas is not None:
+        chain.companions.append(replicas)  # waited for and closed with the chain's drains; found by restore
+    return replicas
+
+
+def of(chain: TierChain) -> Replicas | None:
+    """The peer replicas of ``chain``'s memory tier, if it has them."""
+    return next((c for c in chain.companions if isinstance(c, Replicas)), None)
+
+
+def _attach(chain: TierChain, group: CoordinationGroup | None) -> Replicas | None:
+    first = chain.first
+    k = first.spec.replicas
+    nodes = group.identity.num_nodes if group is not None else 1
+    node_local = group is not None and isinstance(first.storage, MemoryStorage) and nodes > 1
+    if node_local and len(chain.tiers) > 1:
+        raise ConfigError(
+            f"a memory tier ({first.storage.uri}) on {nodes} nodes cannot drain to later tiers yet: each node "
+            "holds only its own ranks' shards. Save to the shared durable root with a second Checkpointer (at "
+            "its own cadence), and protect the memory tier from node loss with Tier(..., replicas=1)"
+        )
+    if k == 0:
+        return None
+    if nodes == 1:
+        background_warning(
+            f"Tier({first.storage.uri!r}, replicas={k}) has no effect: this is not a job on several nodes "
+            "(torch.distributed with ranks on another node), so there is no peer to hold a replica"
+        )
+        return None
+    assert group is not None
+    return Replicas(first, group, first.spec.failure_domain)
