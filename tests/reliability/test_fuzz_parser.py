@@ -196,6 +196,7 @@ def examples(long_run: bool) -> settings:
 def test_the_audit_hook_sees_code_running(base_doc):
     Audit.events.clear()
     Audit.run(pickle.loads, pickle.dumps(Audit))  # find_class: what an unpickling parser would do
+    sys.modules.pop("colorsys", None)  # another test may have imported it (matplotlib does): import it afresh
     Audit.run(lambda: __import__("colorsys"))
     seen = {event for event, _ in Audit.events}
     assert {"pickle.find_class", "import"} <= seen, seen
