@@ -269,11 +269,17 @@ class Catalog:
         where ``step-N/`` without a manifest is an attempt in progress or a leftover."""
         if not self.storage.capabilities.atomic_rename:
             return []
-        return sorted(
+        lacking = [
             name
             for name in self.storage.list_dirs("")
             if parse_step_dirname(name) is not None and not self.storage.exists(f"{name}/{MANIFEST_NAME}")
-        )
+        ]
+        if not lacking:
+            return []
+        # A checkpoint deleted (renamed away whole) between the listing and the manifest check looks the same:
+        # only a directory still listed afterwards, and still without its manifest, is damaged.
+        listed = set(self.storage.list_dirs(""))
+        return sorted(n for n in lacking if n in listed and not self.storage.exists(f"{n}/{MANIFEST_NAME}"))
 
     def manifest(self, step: int) -> Manifest:
         """The validated manifest of ``step`` (cached: committed checkpoints never change)."""
