@@ -167,8 +167,7 @@ class TagStore:
             FormatError: its manifest is not valid (a damaged checkpoint is never tagged).
         """
         key = self._key(name)
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-            raise ConfigError(f"step must be an integer in [0, 2**63), got {step!r}")
+        _check_step(step)
         digest = self._checked_sha256(step, name)
         tag = MovableTag(name, step, digest, time.time())
         doc = {"step": step, "manifest_sha256": digest, "time": tag.time}
@@ -221,12 +220,18 @@ def tag_step(catalog: _Pinning, step: int, name: str) -> MovableTag:
     retention cannot delete it between the check and the write (another process's retention is caught by
     :meth:`TagStore.set`'s check after the write)."""
     check_name(name)
-    pinned = isinstance(step, int) and not isinstance(step, bool) and catalog.pin(step) is not None
+    _check_step(step)
+    pinned = catalog.pin(step) is not None
     try:
         return catalog.tags.set(name, step)
     finally:
         if pinned:
             catalog.unpin(step)
+
+
+def _check_step(step: object) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"step must be an integer in [0, 2**63), got {step!r}")
 
 
 def _dumps(doc: dict[str, Any]) -> bytes:

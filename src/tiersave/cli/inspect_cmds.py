@@ -10,6 +10,7 @@ from ..errors import CheckpointNotFoundError
 from ..format.manifest import Manifest
 from ..units import human_bytes, table
 from ._common import EXIT_FAILURE, EXIT_OK, ByteProgress, Output, add_json_flag
+from .tag_cmd import describe_tags
 
 
 def register(sub: Any) -> None:
@@ -109,7 +110,13 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
     if damaged:
         text += "\n\ndamaged (a step directory without manifest.json: not a checkpoint; nothing removes it):\n"
         text += "\n".join(f"  {x['root']}: {x['name']}" for x in damaged)
-    doc: dict[str, Any] = {"checkpoints": items, "leftovers": leftovers, "damaged": damaged}
+    tags = [{"root": c.storage.uri, **item} for c in catalogs for item in describe_tags(c)[0]]
+    if tags:
+        text += "\n\nmovable tags (tiersave tag):\n" + "\n".join(
+            f"  {x['root']}: {x['name']} -> " + (f"step {x['step']}" if "error" not in x else f"BROKEN: {x['error']}")
+            for x in tags
+        )
+    doc: dict[str, Any] = {"checkpoints": items, "leftovers": leftovers, "damaged": damaged, "tags": tags}
     if len(catalogs) == 1:
         doc["root"] = catalogs[0].storage.uri
     else:
