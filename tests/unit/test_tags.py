@@ -218,3 +218,13 @@ def test_the_tag_command(root, capsys):
     capsys.readouterr()
     with tiersave.Checkpointer(root) as ckpt, pytest.raises(CheckpointNotFoundError):
         ckpt.restore(tag="serving")
+
+
+def test_inspect_resolves_a_movable_tag(root, capsys):
+    with tiersave.Checkpointer(root) as ckpt:
+        ckpt.save(1, state(1), tags=["serving"])
+        ckpt.save(2, state(2), tags=["serving"])
+        ckpt.tag(1, "serving")  # wins over the newer manifest tag
+    assert main(["inspect", str(root), "--tag", "serving", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["step"] == 1 and doc["tags"] == ["serving"]

@@ -31,7 +31,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("root")
     p.add_argument("--step", type=int, help="step to inspect (default: the newest)")
-    p.add_argument("--tag", help="inspect the newest checkpoint with this tag")
+    p.add_argument("--tag", help="inspect the step a movable tag points to (else the newest with this manifest tag)")
     p.add_argument("--max-tensors", type=int, default=50, help="tensors to list in text output (default 50)")
     add_json_flag(p)
     p.set_defaults(handler=_inspect)
@@ -239,7 +239,7 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
         "format_version": m.format_version,
         "created_at": m.created_at,
         "world_size": m.world_size,
-        "tags": list(m.tags),
+        "tags": list(catalog.info(step).tags),  # the manifest's, then the movable tags pointing here
         "metrics": dict(m.metrics),
         "metadata": dict(m.metadata),
         "stats": dict(m.stats),
