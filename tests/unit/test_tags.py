@@ -228,3 +228,14 @@ def test_inspect_resolves_a_movable_tag(root, capsys):
     assert main(["inspect", str(root), "--tag", "serving", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["step"] == 1 and doc["tags"] == ["serving"]
+
+
+def test_a_movable_tag_wins_over_a_later_tiers_manifest_tag(root):
+    mem = f"mem://tags-{uuid.uuid4().hex}"
+    with tiersave.Checkpointer(tiers=[mem, str(root)]) as ckpt:
+        ckpt.save(1, state(1))
+        ckpt.save(2, state(2), tags=["serving"])  # a manifest tag on a newer step, on both tiers
+        ckpt.wait()
+        ckpt.tag(1, "serving")  # on the first tier only
+        assert ckpt.restore(tag="serving")["step"] == 1
+        assert ckpt.last_restore.step == 1
