@@ -210,6 +210,13 @@ def test_the_tag_command(root, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert [c["tags"] for c in doc["checkpoints"]] == [[], ["serving"]]
     assert [(t["name"], t["step"]) for t in doc["tags"]] == [("serving", 2)]
+    assert main(["prune", str(root), "--keep-last", "1"]) == 0  # by hand: the tagged step stays too
+    with tiersave.Checkpointer(root) as ckpt:
+        ckpt.save(3, state(3))
+    assert main(["tag", str(root), "1", "serving"]) == 1  # pruned before it was tagged
+    assert "no committed checkpoint of step 1" in capsys.readouterr().err
+    assert main(["prune", str(root), "--keep-last", "1"]) == 0
+    assert [i.step for i in Catalog(open_storage(str(root), create=False)).infos()] == [2, 3]
     assert main(["tag", str(root), "9", "serving"]) == 1
     assert "no committed checkpoint of step 9" in capsys.readouterr().err
     assert main(["tag", str(root), "x", "serving"]) == 2
