@@ -110,17 +110,17 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
     if damaged:
         text += "\n\ndamaged (a step directory without manifest.json: not a checkpoint; nothing removes it):\n"
         text += "\n".join(f"  {x['root']}: {x['name']}" for x in damaged)
-    tags = [{"root": c.storage.uri, **item} for c in catalogs for item in describe_tags(c)[0]]
-    if tags:
-        text += "\n\nmovable tags (tiersave tag):\n" + "\n".join(
-            f"  {x['root']}: {x['name']} -> " + (f"step {x['step']}" if "error" not in x else f"BROKEN: {x['error']}")
-            for x in tags
-        )
-    doc: dict[str, Any] = {"checkpoints": items, "leftovers": leftovers, "damaged": damaged, "tags": tags}
+    doc: dict[str, Any] = {"checkpoints": items, "leftovers": leftovers, "damaged": damaged}
     if len(catalogs) == 1:
         doc["root"] = catalogs[0].storage.uri
     else:
         doc["roots"] = [{"name": n, "uri": c.storage.uri} for n, c in zip(names, catalogs)]
+    doc["tags"] = [{"root": c.storage.uri, **item} for c in catalogs for item in describe_tags(c)[0]]
+    if doc["tags"]:
+        text += "\n\nmovable tags (tiersave tag):\n" + "\n".join(
+            f"  {x['root']}: {x['name']} -> " + (f"step {x['step']}" if "error" not in x else f"BROKEN: {x['error']}")
+            for x in doc["tags"]
+        )
     out.emit(doc, text)
     return EXIT_OK if held else EXIT_FAILURE  # nothing committed: a typo in the root, or a run that never saved
 
