@@ -274,13 +274,9 @@ class Checkpointer:
     def prune(
         self, keep_last: int | None = None, *, policy: RetentionPolicy | str | None = None, tier: str | None = None
     ) -> builtins.list[int]:
-        """Apply retention now: keep the ``keep_last`` newest (or what ``policy`` keeps) on ``tier`` (default:
-        every tier), never a checkpoint being read or drained, a tier's newest or a step a movable tag points to;
-        also remove the leftovers of interrupted saves.
-
-        Returns:
-            The deleted steps (of every tier pruned).
-        """
+        """Apply retention now on ``tier`` (default: every tier): keep the ``keep_last`` newest or what ``policy``
+        keeps, never a step being read or drained, a tier's newest or a movable tag's step; remove the leftovers
+        of interrupted saves. Returns the deleted steps (of every tier pruned)."""
         chosen = _prune_policy(keep_last, policy)
         self._roots.hold()
         return self._chain.prune(chosen, tier=tier)
