@@ -14,6 +14,7 @@ Torch-free, so ``tiersave tag`` and ``tiersave ls`` work on any machine.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -235,8 +236,6 @@ def _check_step(step: object) -> None:
 
 
 def _dumps(doc: dict[str, Any]) -> bytes:
-    import json
-
     return (json.dumps(doc, allow_nan=False, sort_keys=True) + "\n").encode()
 
 
