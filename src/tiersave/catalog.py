@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import knobs
@@ -45,6 +45,7 @@ from .format.manifest import Manifest, TensorEntry
 from .policy import KeepLast, RetentionPolicy, plan_retention
 from .references import Pins, referenced
 from .storage.base import BlobReader, Storage
+from .tags import TagStore
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class CheckpointInfo:
         step: training step.
         location: URI of the checkpoint directory or prefix.
         created_at: RFC 3339 commit time.
-        tags: user tags (``best``, ``milestone``...).
+        tags: user tags (``best``, ``milestone``...): the manifest's, then the movable tags pointing here.
         metrics: user metrics (loss...).
         num_tensors: tensors stored.
         tensor_bytes: bytes of tensor data.
@@ -250,6 +251,7 @@ class Catalog:
         self._cache: dict[int, Manifest] = {}
         self._lock = threading.Lock()
         self.pins = Pins()  # bases of this process's unfinished incremental saves: retention keeps them
+        self.tags = TagStore(storage)  # movable tags (tags.py): retention keeps the steps they point to
 
     # -- listing ----------------------------------------------------------------------------------
 
@@ -269,11 +271,17 @@ class Catalog:
         where ``step-N/`` without a manifest is an attempt in progress or a leftover."""
         if not self.storage.capabilities.atomic_rename:
             return []
-        return sorted(
+        lacking = [
             name
             for name in self.storage.list_dirs("")
             if parse_step_dirname(name) is not None and not self.storage.exists(f"{name}/{MANIFEST_NAME}")
-        )
+        ]
+        if not lacking:
+            return []
+        # A checkpoint deleted (renamed away whole) between the listing and the manifest check looks the same:
+        # only a directory still listed afterwards, and still without its manifest, is damaged.
+        listed = set(self.storage.list_dirs(""))
+        return sorted(n for n in lacking if n in listed and not self.storage.exists(f"{n}/{MANIFEST_NAME}"))
 
     def manifest(self, step: int) -> Manifest:
         """The validated manifest of ``step`` (cached: committed checkpoints never change)."""
@@ -309,23 +317,31 @@ class Catalog:
 
         return self.pins.pin(step, read)
 
+    def unpin(self, step: int) -> None:
+        self.pins.unpin(step)
+
     def remember(self, manifest: Manifest) -> CheckpointInfo:
         """Cache the manifest of a checkpoint this process just committed, and return its info."""
         with self._lock:
             self._cache[manifest.step] = manifest
         return CheckpointInfo.from_manifest(manifest, self.location(manifest.step))
 
-    def info(self, step: int) -> CheckpointInfo:
-        return CheckpointInfo.from_manifest(self.manifest(step), self.location(step))
+    def info(self, step: int, movable: dict[int, tuple[str, ...]] | None = None) -> CheckpointInfo:
+        """The info of ``step``; its tags include the movable tags (``movable``: ``tags.by_step()``, read once
+        by a caller listing many steps)."""
+        info = CheckpointInfo.from_manifest(self.manifest(step), self.location(step))
+        extra = (self.tags.by_step() if movable is None else movable).get(step, ())
+        return replace(info, tags=tuple(dict.fromkeys(info.tags + extra))) if extra else info
 
     def location(self, step: int) -> str:
         return f"{self.storage.uri.rstrip('/')}/{step_dirname(step)}"
 
     def entries(self) -> Iterator[tuple[int, CheckpointInfo | None, TiersaveError | None]]:
         """Every committed step with its info, or the error that prevents reading its manifest."""
+        movable = self.tags.by_step()
         for step in self.steps():
             try:
-                yield step, self.info(step), None
+                yield step, self.info(step, movable), None
             except (FormatError, CheckpointNotFoundError) as exc:
                 yield step, None, exc
 
@@ -334,7 +350,11 @@ class Catalog:
         return [info for _, info, _ in self.entries() if info is not None]
 
     def find(self, step: int | None = None, tag: str | None = None) -> list[int]:
-        """Candidate steps for a restore, newest first: ``step`` alone, those tagged ``tag``, or all."""
+        """Candidate steps for a restore, newest first: ``step`` alone, those tagged ``tag``, or all. A movable
+        tag ``tag`` wins over manifest tags: it names one step (an error if that step is gone)."""
+        moved = self.tags.resolve(tag) if tag is not None else None
+        if moved is not None and (step is None or step == moved.step):
+            return [moved.step]
         if step is not None:
             if step not in self.steps():
                 raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.storage.uri}")
@@ -479,7 +499,8 @@ class Catalog:
         leftovers: bool = True,
     ) -> PruneResult:
         """Apply retention (``keep_last`` newest, or ``policy``; neither: delete no checkpoint) and remove
-        the leftovers of interrupted saves. The newest checkpoint and ``protected`` steps always stay.
+        the leftovers of interrupted saves. The newest checkpoint, ``protected`` steps and the steps a movable
+        tag points to always stay (a tag file that cannot be read is logged, and protects nothing).
 
         Args:
             dry_run: report what would be deleted, delete nothing.
@@ -497,18 +518,25 @@ class Catalog:
         else:
             infos = [info for _, info, _ in self.entries() if info is not None]
             # unreadable manifests are never deleted by retention: a person should look at them
-            doomed = list(plan_retention(infos, chosen, protected=protected).delete)
+            tagged, bad = self.tags.all()
+            for name, exc in bad.items():
+                log.warning("retention in %s ignores the unreadable tag %r: %s", self.storage.uri, name, exc)
+            keep = {*protected, *(t.step for t in tagged.values())}
+            doomed = list(plan_retention(infos, chosen, protected=keep).delete)
         pinned, generation = self.pins.pinned()
         doomed = self._unreferenced(doomed, pinned)
         found = self.leftovers() if leftovers else []
         removable = [n for n, s in found if s == "dead" or (s == "unknown" and force)]
         if not dry_run:
-            for index, step in enumerate(doomed):
+            done: list[int] = []
+            for step in doomed:
                 with self.pins.deleting(step, generation) as allowed:
                     if not allowed:  # a save pinned a base since: its references may be among these
-                        doomed = doomed[:index]
                         break
-                    self.delete(step)
+                    if step not in self.tags.by_step():  # not tagged since the plan (by another process)
+                        self.delete(step)
+                        done.append(step)
+            doomed = done
             removable = self.clean_leftovers(force=force) if leftovers else []
         return PruneResult(
             deleted=doomed,

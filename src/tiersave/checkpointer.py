@@ -55,6 +55,7 @@ from .restore import RestoreReport, restore_from
 from .saving import PendingSave, Saver, SaveRequest
 from .storage.base import Storage
 from .storage.lock import RootLocks
+from .tags import MovableTag, tag_step
 from .tiers import Tier, TierChain, to_policy
 
 __all__ = ["Checkpointer"]
@@ -247,10 +248,8 @@ class Checkpointer:
         return self._chain.names
 
     def list(self) -> builtins.list[CheckpointInfo]:
-        """Committed checkpoints with valid manifests, oldest first, each with the tiers that hold it.
-
-        The info describes the copy in the fastest tier holding the step.
-        """
+        """Committed checkpoints with valid manifests, oldest first, each with the tiers holding it (described
+        by the fastest copy) and its tags, the movable tags (:meth:`tag`) included."""
         return self._chain.list()
 
     def latest(self) -> CheckpointInfo | None:
@@ -262,21 +261,24 @@ class Checkpointer:
         return self._chain.info(step, tier=tier)
 
     def verify(self, step: int | None = None, *, tier: str | None = None) -> VerifyReport:
-        """Read every byte of a checkpoint (default: the newest) on ``tier`` (default: the first) and check
-        it against its checksums."""
+        """Check every byte of a checkpoint (default: the newest) on ``tier`` (default: the first) against checksums."""
         runtime = self._chain.get(tier)
         return runtime.catalog.verify(step if step is not None else runtime.newest(), executor=self._pool)
+
+    def tag(self, step: int, name: str) -> MovableTag:
+        """Point the movable tag ``name`` at committed ``step`` on the first tier, or move it (docs/quickstart.md)."""
+        return tag_step(self.catalog, step, name)
+
+    def untag(self, name: str) -> bool:
+        """Remove the movable tag ``name`` from the first tier; returns whether it existed."""
+        return self.catalog.tags.delete(name)
 
     def prune(
         self, keep_last: int | None = None, *, policy: RetentionPolicy | str | None = None, tier: str | None = None
     ) -> builtins.list[int]:
-        """Apply retention now: keep the ``keep_last`` newest (or what ``policy`` keeps) on ``tier`` (default:
-        every tier), never a checkpoint being read or drained, nor a tier's newest; also remove the
-        leftovers of interrupted saves.
-
-        Returns:
-            The deleted steps (of every tier pruned).
-        """
+        """Apply retention now on ``tier`` (default: every tier): keep the ``keep_last`` newest or what ``policy``
+        keeps, never a step being read or drained, a tier's newest or a movable tag's step; remove the leftovers
+        of interrupted saves. Returns the deleted steps (of every tier pruned)."""
         chosen = _prune_policy(keep_last, policy)
         self._roots.hold()
         return self._chain.prune(chosen, tier=tier)

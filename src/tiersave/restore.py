@@ -225,6 +225,10 @@ def _candidates(
     peer replicas: the memory tier for the steps every node has in memory or in a peer's replica)."""
     holders: dict[int, list[TierRuntime]] = {}
     missing: list[CheckpointNotFoundError] = []
+    # A movable tag (tags.py, on the first tier) wins over every tier's manifest tags: it names one step.
+    moved = chain.first.catalog.tags.resolve(tag) if tag is not None else None
+    if moved is not None and (step is None or step == moved.step):
+        step, tag = moved.step, None
     for tier in chain.tiers:
         try:
             found = tier.catalog.find(step, tag)

@@ -356,8 +356,9 @@ class TierChain:
         """Committed checkpoints with valid manifests, oldest first; each info describes the copy in the
         fastest tier holding the step and names every tier holding it."""
         out = []
+        movable = {t.index: t.catalog.tags.by_step() for t in self.tiers}  # read once, not once per step
         for step, holders in sorted(self.holdings().items()):
-            info = _first_valid(step, holders)
+            info = _first_valid(step, holders, movable)
             if info is not None:
                 out.append(info)
         return out
@@ -568,11 +569,15 @@ def ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def _first_valid(step: int, holders: Sequence[TierRuntime]) -> CheckpointInfo | None:
-    """The info of ``step`` from the fastest holder whose manifest is valid, naming every holder."""
+def _first_valid(
+    step: int, holders: Sequence[TierRuntime], movable: dict[int, dict[int, tuple[str, ...]]] | None = None
+) -> CheckpointInfo | None:
+    """The info of ``step`` from the fastest holder whose manifest is valid, naming every holder (``movable``:
+    each tier's movable tags by step, when the caller read them once for many steps)."""
     for tier in holders:
         try:
-            return replace(tier.catalog.info(step), tiers=tuple(t.name for t in holders))
+            info = tier.catalog.info(step, movable[tier.index] if movable is not None else None)
+            return replace(info, tiers=tuple(t.name for t in holders))
         except (FormatError, CheckpointNotFoundError):
             continue
     return None

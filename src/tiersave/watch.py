@@ -2,7 +2,8 @@
 goes on (an inference service taking intermediate checkpoints, an evaluator, continuous learning).
 
 Scope: noticing commits by polling the root's catalog (committed means the manifest is there: a checkpoint
-being written is invisible, so a watcher never sees a partial one), in step order, with a bounded wait.
+being written is invisible, so a watcher never sees a partial one), in step order, with a bounded wait; or,
+with ``tag=``, each move of a movable tag (tags.py: one atomic object, so never a half-moved tag).
 Anti-scope: loading (``Checkpointer.restore``, which also lists again when the writer's retention deletes a
 checkpoint while it is read), notifications from the writer (none are needed: the commit is the signal).
 
@@ -19,6 +20,7 @@ from .catalog import Catalog, CheckpointInfo
 from .errors import CheckpointNotFoundError, ConfigError, FormatError
 from .storage import open_storage
 from .storage.base import Storage
+from .tags import check_name
 
 __all__ = ["watch"]
 
@@ -31,6 +33,7 @@ def watch(
     poll_s: float = 1.0,
     timeout_s: float | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    tag: str | None = None,
 ) -> Iterator[CheckpointInfo]:
     """Yield each checkpoint committed under ``root``, oldest first, as it appears.
 
@@ -48,13 +51,17 @@ def watch(
         poll_s: seconds between looks at the root.
         timeout_s: stop (the iterator ends) when no new checkpoint appeared for this long; None: never.
         sleep: the wait between polls (tests pass their own).
+        tag: follow this movable tag (``ckpt.tag(step, name)``, ``tiersave tag``) instead of every commit: yield
+            the checkpoint it points to each time it moves (to a newer step or back to an older one), and its
+            current one first with ``include_existing``. ``after`` does not apply.
 
     A checkpoint deleted by the writer's retention before it was seen is skipped: a watcher that falls behind
     gets the newest ones, never an error. Steps that are not newer than the last one yielded are not yielded
     again (a writer that restarts from an older step continues past the newest seen).
 
     Raises:
-        ConfigError: ``poll_s`` or ``timeout_s`` is not positive.
+        ConfigError: ``poll_s`` or ``timeout_s`` is not positive, a bad ``tag`` name, or ``tag`` with ``after``.
+        FormatError: the followed tag's file is not a tag record.
         StorageError: the root cannot be read.
     """
     if not poll_s > 0:
@@ -63,6 +70,22 @@ def watch(
         raise ConfigError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
     storage: Storage = open_storage(root, create=False) if isinstance(root, (str, os.PathLike)) else root
     catalog = Catalog(storage)
+    if tag is not None:
+        if after is not None:
+            raise ConfigError("watch(tag=...) follows the tag wherever it moves; it takes no after=")
+        check_name(tag)
+        return _follow_tag(catalog, tag, include_existing, poll_s, timeout_s, sleep)
+    return _follow_commits(catalog, after, include_existing, poll_s, timeout_s, sleep)
+
+
+def _follow_commits(
+    catalog: Catalog,
+    after: int | None,
+    include_existing: bool,
+    poll_s: float,
+    timeout_s: float | None,
+    sleep: Callable[[float], None],
+) -> Iterator[CheckpointInfo]:
     last = after
     if last is None and not include_existing:
         steps = catalog.steps()
@@ -78,6 +101,38 @@ def watch(
             last = step
             waited_since = time.monotonic()
             yield info
+        if timeout_s is not None and time.monotonic() - waited_since >= timeout_s:
+            return
+        sleep(poll_s)
+
+
+def _follow_tag(
+    catalog: Catalog,
+    name: str,
+    include_existing: bool,
+    poll_s: float,
+    timeout_s: float | None,
+    sleep: Callable[[float], None],
+) -> Iterator[CheckpointInfo]:
+    """Yield the checkpoint the movable tag ``name`` points to each time it changes (step or checkpoint)."""
+    seen: tuple[int, str] | None = None
+    if not include_existing:
+        current = catalog.tags.get(name)
+        seen = (current.step, current.manifest_sha256) if current is not None else None
+    waited_since = time.monotonic()
+    while True:
+        tag = catalog.tags.get(name)  # one atomic object: never a half-moved tag
+        if tag is not None and (tag.step, tag.manifest_sha256) != seen:
+            try:
+                catalog.tags.resolve(name)  # still the tagged checkpoint (not deleted and saved again)
+                info = catalog.info(tag.step)
+            except (CheckpointNotFoundError, FormatError):
+                info = None  # moved again or its step gone: the next look decides
+            if info is not None:
+                seen = (tag.step, tag.manifest_sha256)
+                waited_since = time.monotonic()
+                yield info
+                continue
         if timeout_s is not None and time.monotonic() - waited_since >= timeout_s:
             return
         sleep(poll_s)

@@ -130,3 +130,18 @@ def test_lightning_example_stops_then_resumes(tmp_path):
     named = {json.loads(p.read_text())["step"] for p in (tmp_path / "ckpt").glob("*.ckpt")}
     stored = {int(s) for s in second.rsplit("stored steps: ", 1)[1].split(",")}
     assert stored == named and 32 in named
+
+
+@pytest.mark.timeout(3 * LIMIT_S)
+def test_the_watcher_serves_the_step_a_movable_tag_points_to(tmp_path):
+    run(tmp_path, "train_loop.py", "--dir", str(tmp_path), "--steps", "20", "--save-every", "2")
+    disk = str(tmp_path / "ckpt")
+    steps = json.loads(run_cli(tmp_path, "ls", disk, "--json"))["checkpoints"]
+    tagged = steps[0]["step"]  # an older one: the watcher must serve it, not the newest
+    run_cli(tmp_path, "tag", disk, str(tagged), "serving")
+    out = run(tmp_path, "serve_watch.py", "--dir", str(tmp_path), "--tag", "serving", "--until", "0", "--timeout", "60")
+    assert re.findall(r"serving step (\d+)", out) == [str(tagged)]
+
+
+def run_cli(tmp_path: Path, *args: str) -> str:
+    return finish(start(tmp_path, "-m", "tiersave.cli", *args))

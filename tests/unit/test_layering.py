@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.policy",
             "tiersave.references",
             "tiersave.watch",
+            "tiersave.tags",
             "tiersave.dist",
             "tiersave.dcp",
         ),

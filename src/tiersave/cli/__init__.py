@@ -29,6 +29,7 @@ _COMMAND_MODULES = (
     "tiersave.cli.copy_cmd",
     "tiersave.cli.stats_cmd",
     "tiersave.cli.watch_cmd",
+    "tiersave.cli.tag_cmd",
     "tiersave.cli.plan_cmd",
     "tiersave.cli.simulate_cmd",
     "tiersave.cli.bench_cmd",

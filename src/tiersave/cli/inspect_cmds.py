@@ -10,6 +10,7 @@ from ..errors import CheckpointNotFoundError
 from ..format.manifest import Manifest
 from ..units import human_bytes, table
 from ._common import EXIT_FAILURE, EXIT_OK, ByteProgress, Output, add_json_flag
+from .tag_cmd import describe_tags
 
 
 def register(sub: Any) -> None:
@@ -30,7 +31,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("root")
     p.add_argument("--step", type=int, help="step to inspect (default: the newest)")
-    p.add_argument("--tag", help="inspect the newest checkpoint with this tag")
+    p.add_argument("--tag", help="inspect the step a movable tag points to (else the newest with this manifest tag)")
     p.add_argument("--max-tensors", type=int, default=50, help="tensors to list in text output (default 50)")
     add_json_flag(p)
     p.set_defaults(handler=_inspect)
@@ -121,6 +122,12 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
         doc["root"] = catalogs[0].storage.uri
     else:
         doc["roots"] = [{"name": n, "uri": c.storage.uri} for n, c in zip(names, catalogs)]
+    doc["tags"] = [{"root": c.storage.uri, **item} for c in catalogs for item in describe_tags(c)[0]]
+    if doc["tags"]:
+        text += "\n\nmovable tags (tiersave tag):\n" + "\n".join(
+            f"  {x['root']}: {x['name']} -> " + (f"step {x['step']}" if "error" not in x else f"BROKEN: {x['error']}")
+            for x in doc["tags"]
+        )
     out.emit(doc, text)
     return EXIT_OK if held else EXIT_FAILURE  # nothing committed: a typo in the root, or a run that never saved
 
@@ -251,7 +258,7 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
         "format_version": m.format_version,
         "created_at": m.created_at,
         "world_size": m.world_size,
-        "tags": list(m.tags),
+        "tags": list(catalog.info(step).tags),  # the manifest's, then the movable tags pointing here
         "metrics": dict(m.metrics),
         "metadata": dict(m.metadata),
         "stats": dict(m.stats),
