@@ -1,7 +1,8 @@
 """Follow a checkpoint root: yield each newly committed checkpoint, for a process that loads them as training
 goes on (an inference service taking intermediate checkpoints, an evaluator, continuous learning).
 
-Scope: noticing commits by polling the root's catalog (committed means the manifest is there: a checkpoint
+Scope: noticing commits by looking at the root's catalog (woken by inotify on local roots and ``mem://``, polling
+elsewhere) (committed means the manifest is there: a checkpoint
 being written is invisible, so a watcher never sees a partial one), in step order, with a bounded wait; or,
 with ``tag=``, each move of a movable tag (tags.py: one atomic object, so never a half-moved tag).
 Anti-scope: loading (``Checkpointer.restore``, which also lists again when the writer's retention deletes a
@@ -15,11 +16,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from .catalog import Catalog, CheckpointInfo
 from .errors import CheckpointNotFoundError, ConfigError, FormatError
 from .storage import open_storage
 from .storage.base import Storage
+from .storage.posix import LocalStorage
+from .storage.posix.notify import DirNotifier, dir_notifier
 from .tags import check_name
 
 __all__ = ["watch"]
@@ -48,9 +52,10 @@ def watch(
         after: yield only steps greater than this. Default: the newest step when the call starts (only new
             checkpoints), or nothing with ``include_existing``.
         include_existing: also yield the checkpoints already committed (when ``after`` is None).
-        poll_s: seconds between looks at the root.
+        poll_s: seconds between looks at the root. On a local root or ``mem://`` (Linux) inotify wakes the
+            watcher as soon as a checkpoint is committed or a tag moves, and ``poll_s`` only bounds the wait.
         timeout_s: stop (the iterator ends) when no new checkpoint appeared for this long; None: never.
-        sleep: the wait between polls (tests pass their own).
+        sleep: the wait between polls (tests pass their own; then no inotify is used).
         tag: follow this movable tag (``ckpt.tag(step, name)``, ``tiersave tag``) instead of every commit: yield
             the checkpoint it points to each time it moves (to a newer step or back to an older one), and its
             current one first with ``include_existing``. ``after`` does not apply.
@@ -74,8 +79,35 @@ def watch(
         if after is not None:
             raise ConfigError("watch(tag=...) follows the tag wherever it moves; it takes no after=")
         check_name(tag)
-        return _follow_tag(catalog, tag, include_existing, poll_s, timeout_s, sleep)
-    return _follow_commits(catalog, after, include_existing, poll_s, timeout_s, sleep)
+        return _follow_tag(catalog, tag, include_existing, poll_s, timeout_s, _Waiter(storage, sleep, tags=True))
+    return _follow_commits(catalog, after, include_existing, poll_s, timeout_s, _Waiter(storage, sleep, tags=False))
+
+
+class _Waiter:
+    """The wait between two looks: until something changes in the root (inotify, local roots) or ``poll_s``."""
+
+    def __init__(self, storage: Storage, sleep: Callable[[float], None], *, tags: bool) -> None:
+        self._sleep = sleep
+        self._notifier: DirNotifier | None = None
+        self._dirs: list[Path] = []
+        if isinstance(storage, LocalStorage) and sleep is time.sleep:
+            self._dirs = [storage.root, storage.root / "tags"] if tags else [storage.root]
+
+    def __call__(self, seconds: float) -> None:
+        if self._notifier is None and self._dirs:  # made at the first wait: a watch never iterated holds no fd
+            self._notifier = dir_notifier(self._dirs)
+            if self._notifier is None:
+                self._dirs = []  # no inotify here: poll
+        if self._notifier is None:
+            self._sleep(seconds)
+            return
+        for directory in self._dirs[1:]:  # tags/ may have been made since the last look
+            self._notifier.add(directory)
+        self._notifier.wait(seconds)
+
+    def close(self) -> None:
+        if self._notifier is not None:
+            self._notifier.close()
 
 
 def _follow_commits(
@@ -84,7 +116,21 @@ def _follow_commits(
     include_existing: bool,
     poll_s: float,
     timeout_s: float | None,
-    sleep: Callable[[float], None],
+    wait: _Waiter,
+) -> Iterator[CheckpointInfo]:
+    try:
+        yield from _commits(catalog, after, include_existing, poll_s, timeout_s, wait)
+    finally:
+        wait.close()
+
+
+def _commits(
+    catalog: Catalog,
+    after: int | None,
+    include_existing: bool,
+    poll_s: float,
+    timeout_s: float | None,
+    wait: _Waiter,
 ) -> Iterator[CheckpointInfo]:
     last = after
     if last is None and not include_existing:
@@ -103,7 +149,7 @@ def _follow_commits(
             yield info
         if timeout_s is not None and time.monotonic() - waited_since >= timeout_s:
             return
-        sleep(poll_s)
+        wait(poll_s)
 
 
 def _follow_tag(
@@ -112,7 +158,21 @@ def _follow_tag(
     include_existing: bool,
     poll_s: float,
     timeout_s: float | None,
-    sleep: Callable[[float], None],
+    wait: _Waiter,
+) -> Iterator[CheckpointInfo]:
+    try:
+        yield from _tag_moves(catalog, name, include_existing, poll_s, timeout_s, wait)
+    finally:
+        wait.close()
+
+
+def _tag_moves(
+    catalog: Catalog,
+    name: str,
+    include_existing: bool,
+    poll_s: float,
+    timeout_s: float | None,
+    wait: _Waiter,
 ) -> Iterator[CheckpointInfo]:
     """Yield the checkpoint the movable tag ``name`` points to each time it changes (step or checkpoint)."""
     seen: tuple[int, str] | None = None
@@ -135,4 +195,4 @@ def _follow_tag(
                 continue
         if timeout_s is not None and time.monotonic() - waited_since >= timeout_s:
             return
-        sleep(poll_s)
+        wait(poll_s)

@@ -103,3 +103,44 @@ def test_the_watch_command_prints_json_lines(root, capsys):
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["step"] == 2
+
+
+@pytest.mark.parametrize("kind", ["local", "mem"])
+def test_a_commit_wakes_the_watcher_before_its_poll_interval(kind, root, tmp_path, monkeypatch):
+    """inotify on local roots and mem://: with a 30 s poll interval and a 10 s timeout, polling alone would end
+    the iteration with nothing; the watcher sees the commits because the rename into the root wakes it."""
+    if kind == "mem":
+        monkeypatch.setenv("TIERSAVE_SHM_DIR", str(tmp_path / "shm"))
+        root = "mem://watch-inotify"
+    with tiersave.Checkpointer(root) as writer:
+        writer.save(1, state(1))
+        feed = tiersave.watch(root, poll_s=30, timeout_s=10)
+
+        def write():
+            for step in (2, 3):
+                time.sleep(0.3)
+                writer.save(step, state(step))
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        started = time.monotonic()
+        seen = [next(feed).step for _ in range(2)]
+        elapsed = time.monotonic() - started
+        thread.join()
+        feed.close()
+    assert seen == [2, 3]
+    assert elapsed < 30, elapsed  # not by the first poll: that comes after 30 s
+
+
+def test_a_moved_tag_wakes_the_watcher(root):
+    with tiersave.Checkpointer(root, keep_last=3) as writer:
+        writer.save(1, state(1))
+        writer.save(2, state(2))
+        writer.tag(1, "serving")
+        feed = tiersave.watch(root, tag="serving", poll_s=30, timeout_s=10)
+        timer = threading.Timer(0.3, writer.tag, (2, "serving"))
+        timer.start()
+        info = next(feed)
+        timer.join()
+        feed.close()
+    assert info.step == 2
