@@ -46,7 +46,7 @@ from ..format.layout import ALIGN, align_up
 from ..format.manifest import ShardInfo, TensorEntry
 from ..storage.base import BlobWriter, Storage
 from .increment import Increment
-from .stage import HostCopier, Ring, StagingArena, host_addresses, source_bytes
+from .stage import HostCopier, Ring, StagingArena, host_addresses, needs_pinned, source_bytes
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,10 @@ class StagedWrite:
         executor: Executor,
         copier: HostCopier | None = None,
         increment: Increment | None = None,
+        addresses: Sequence[int | None] | None = None,
     ) -> None:
+        """``addresses``, when given: for each source, where its bytes lie when they can be copied as they are
+        (``state.FlatTensor.address``, read while flattening), else None; not given: read here."""
         self.storage = storage
         self.increment = increment  # an incremental save: hash every unit, skip those equal to the base's
         self.prefix = prefix
@@ -248,7 +251,11 @@ class StagedWrite:
         self.sources = list(sources)
         self.executor = executor
         self.copier = copier
-        self._addresses, self.pinned = host_addresses(self.sources)
+        if addresses is None:
+            self._addresses, self.pinned = host_addresses(self.sources)
+        else:  # only a value without a host address can be a device tensor
+            self._addresses = list(addresses)
+            self.pinned = needs_pinned([s for s, a in zip(self.sources, self._addresses) if a is None])
         # The ring must hold two units to overlap staging with writing, unless the whole save fits.
         min_bytes = min(2 * plan.chunk_bytes, plan.total_bytes)
         self.arena_tensor = arena.reserve(plan.total_bytes, pinned=self.pinned, min_bytes=min_bytes)
@@ -311,9 +318,9 @@ class StagedWrite:
             if u.is_group:
                 on_cuda = self._stage_group(u, segments)
             elif copier is not None and addresses[u.tensor] is not None and len(segments) == 1:
-                # A plain host tensor: copy from the address read once in host_addresses. Each torch call
-                # (detach, view, reshape, data_ptr) releases and retakes the GIL, which on a loaded machine
-                # costs a wait behind the writer threads every time.
+                # A plain host tensor: copy from the address read once (while flattening, or in host_addresses).
+                # Each torch call (detach, view, reshape, data_ptr) releases and retakes the GIL, which on a
+                # loaded machine costs a wait behind the writer threads every time.
                 pos = segments[0][0]
                 copier.copy(arena_ptr + pos, addresses[u.tensor] + u.src_start, u.length)  # type: ignore[operator]
                 if u.padded > u.length:
@@ -517,8 +524,8 @@ class StagedWrite:
     def _entries(self) -> dict[str, TensorEntry]:
         plan, entry, many = self.plan, TensorEntry, self.crcs
         return {
-            name: entry(
-                name, dtype, shape, shard, offset, n, ((crc,) if i not in many else tuple(many[i])) if n else ()
+            name: entry(  # a flattened shape may be a torch.Size: the manifest holds plain tuples
+                name, dtype, tuple(shape), shard, offset, n, ((crc,) if i not in many else tuple(many[i])) if n else ()
             )
             for i, (name, dtype, shape, shard, offset, n, crc) in enumerate(
                 zip(plan.names, plan.dtypes, plan.shapes, plan.shard_of, plan.offsets, plan.nbytes, self.crc1)
