@@ -46,7 +46,7 @@ from ..format.layout import ALIGN, align_up
 from ..format.manifest import ShardInfo, TensorEntry
 from ..storage.base import BlobWriter, Storage
 from .increment import Increment
-from .stage import HostCopier, Ring, StagingArena, host_addresses, needs_pinned, source_bytes
+from .stage import HostCopier, Ring, StagingArena, host_addresses, needs_pinned, small_memmove, source_bytes
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +372,7 @@ class StagedWrite:
         arena_ptr = self.arena_tensor.data_ptr()
         for pos, n in segments:
             ctypes.memset(arena_ptr + pos, 0, n)
-        plan, addresses, memmove = self.plan, self._addresses, ctypes.memmove
+        plan, addresses, memmove = self.plan, self._addresses, small_memmove
         nbytes, offsets = plan.nbytes, plan.offsets
         delta = u.global_offset - u.file_offset
         wrapped = len(segments) > 1
@@ -401,22 +401,25 @@ class StagedWrite:
         arena_ptr = self.arena_tensor.data_ptr()
         plan, addresses = self.plan, self._addresses
         nbytes, offsets = plan.nbytes, plan.offsets
-        copies: list[tuple[int, int, int]] = []
+        copies: list[tuple[int, int, int]] = []  # the large copies, shared out over the copier's threads
         keep_alive = []  # contiguous copies made by source_bytes must outlive the memmoves
-        memset = ctypes.memset
+        memset, memmove, sources = ctypes.memset, small_memmove, self.sources
         for u in plan.units:
             if u.is_group:
+                # small tensors are copied right here, one after the other: a thread would only add a
+                # GIL hand-off per tensor, and a list of copies a tuple per tensor
+                first, end = u.tensor, u.end
                 memset(arena_ptr + u.global_offset, 0, u.padded)
                 delta = arena_ptr + u.global_offset - u.file_offset
-                for i in range(u.tensor, u.end):
-                    n = nbytes[i]
+                for i, n, offset, addr in zip(
+                    range(first, end), nbytes[first:end], offsets[first:end], addresses[first:end]
+                ):
                     if n:
-                        addr = addresses[i]
                         if addr is None:
-                            src = source_bytes(self.sources[i])
+                            src = source_bytes(sources[i])
                             keep_alive.append(src)
                             addr = src.data_ptr()
-                        copies.append((delta + offsets[i], addr, n))
+                        memmove(delta + offset, addr, n)
                 continue
             addr = addresses[u.tensor]
             if addr is None:
