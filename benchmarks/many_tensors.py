@@ -18,9 +18,9 @@ Usage::
     PYTHONPATH=src .venv/bin/python benchmarks/many_tensors.py --counts 2000 20000 100000 --moe-mb 1024
     PYTHONPATH=src .venv/bin/python benchmarks/many_tensors.py --counts 20000 --profile save
 
-``--async-only`` measures only the ``save_async`` stall and its split (flatten / layout and plan / copies), for
-quick runs comparing two versions of the code in alternating processes. ``--profile save|async|restore`` runs cProfile on one extra operation of the largest count and prints the
-functions with the most own time.
+``--async-only`` measures only the ``save_async`` stall and its split (flatten / layout and plan / copies),
+for quick runs comparing two versions of the code in alternating processes. ``--profile save|async|restore``
+runs cProfile on one extra operation of the largest count and prints the functions with the most own time.
 """
 
 from __future__ import annotations
