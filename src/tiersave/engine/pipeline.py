@@ -197,11 +197,11 @@ def _plan(
         first = -1  # the open group: its first tensor, start offset and end of its last tensor's data
         g_start = g_end = 0
         shard_of[shard.first : shard.end] = [s] * (shard.end - shard.first)
-        for index in range(shard.first, shard.end):
-            size = nbytes[index]
-            offset = offsets[index]
+        for index, size, offset in zip(
+            range(shard.first, shard.end), nbytes[shard.first : shard.end], offsets[shard.first : shard.end]
+        ):
             if size <= small:
-                if first >= 0 and align_up(offset + size) - g_start <= span_limit:
+                if first >= 0 and -(-(offset + size) // ALIGN) * ALIGN - g_start <= span_limit:  # align_up inline
                     g_end = offset + size
                     continue
                 if first >= 0:
