@@ -18,8 +18,9 @@ Usage::
     PYTHONPATH=src .venv/bin/python benchmarks/many_tensors.py --counts 2000 20000 100000 --moe-mb 1024
     PYTHONPATH=src .venv/bin/python benchmarks/many_tensors.py --counts 20000 --profile save
 
-``--profile save|async|restore`` runs cProfile on one extra operation of the largest count and prints the
-functions with the most own time.
+``--async-only`` measures only the ``save_async`` stall and its split (flatten / layout and plan / copies),
+for quick runs comparing two versions of the code in alternating processes. ``--profile save|async|restore``
+runs cProfile on one extra operation of the largest count and prints the functions with the most own time.
 """
 
 from __future__ import annotations
@@ -79,11 +80,12 @@ class Case:
     def record(self, method: str, seconds: float) -> None:
         self.samples.setdefault(method, []).append(seconds)
 
-    def run_once(self) -> None:
-        self.step += 1
-        t0 = time.perf_counter()
-        self.ck.save(self.step, self.state)
-        self.record("save", time.perf_counter() - t0)
+    def run_once(self, async_only: bool = False) -> None:
+        if not async_only:
+            self.step += 1
+            t0 = time.perf_counter()
+            self.ck.save(self.step, self.state)
+            self.record("save", time.perf_counter() - t0)
 
         self.step += 1
         t0 = time.perf_counter()
@@ -97,6 +99,8 @@ class Case:
         self.record("async.stage", st.stage_s)
         self.record("async.rest", max(0.0, blocked - st.flatten_s - st.stage_s))
         handle.result(timeout=600)
+        if async_only:
+            return
 
         self.record("restore", self._restore())
 
@@ -159,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the samples to this file")
     p.add_argument("--profile", choices=["save", "async", "restore"], default=None)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument(
+        "--async-only",
+        action="store_true",
+        help="measure only how long save_async blocks (and its split): quick runs to compare two versions",
+    )
     args = p.parse_args(argv)
     warnings.simplefilter("ignore")
     root = tempfile.mkdtemp(prefix="many-tensors-", dir=args.dir)
@@ -170,9 +179,21 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(Case("few-large", few_state(args.moe_mb), root))
         for r in range(args.runs):
             for case in cases:
-                case.run_once()
+                case.run_once(args.async_only)
             print(f"run {r + 1}/{args.runs} done", file=sys.stderr)
         methods = ["save", "torch.save", "async", "restore", "torch.load"]
+        if args.async_only:
+            for case in cases:
+                n = len(case.state)
+                split = " / ".join(f"{case.median(f'async.{k}') / n * 1e6:.2f}" for k in ("flatten", "rest", "stage"))
+                print(
+                    f"{case.label}: save_async blocked {fmt(case.median('async')).strip()} = "
+                    f"{case.median('async') / n * 1e6:.2f} us per tensor (flatten / layout+plan / copies: {split}; "
+                    f"runs {', '.join(f'{x / n * 1e6:.2f}' for x in case.samples['async'])})"
+                )
+            for case in cases:
+                case.close()
+            return 0
         print(f"\nmedians of {args.runs} interleaved runs; torch {torch.__version__}; {os.cpu_count()} cpus")
         header = f"{'state':>14} | " + " | ".join(f"{m:>12}" for m in methods)
         header += " | save/torch | restore/load | async us/tensor"

@@ -260,6 +260,7 @@ class Saver:
                 self.pool,
                 self.copier,
                 increment=increment,
+                addresses=[t.address for t in tensors],
             )
             job.stage(overlap=blocking)  # async: shortest stall; blocking: shortest time to durable
         except BaseException as exc:

@@ -43,6 +43,8 @@ def torch_dtype_name(dtype: torch.dtype) -> str:
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# accepted dtypes (not quantized): their stored name, element size and whether they are complex
+_FAST_DTYPES: dict[torch.dtype, tuple[str, int, bool]] = {}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -100,6 +102,9 @@ class FlatTensor:
     shape: tuple[int, ...]
     nbytes: int
     source: torch.Tensor | np.ndarray
+    address: int | None = None
+    """Where the bytes lie when they can be copied as they are (host memory, contiguous, no conj/neg bit),
+    read while flattening so that staging need not read it again; None: the stager makes a byte view."""
 
 
 @dataclass
@@ -145,7 +150,42 @@ class _Flattener:
         return flat.name
 
     def tensor(self, t: torch.Tensor, path: str) -> str:
-        # A mixture-of-experts state has 10^5 tensors: every attribute read here is paid per tensor.
+        # A mixture-of-experts state has 10^5 tensors: every attribute read here is paid per tensor (each
+        # 0.1-0.3 us, a Python call more), so the common plain tensor takes one inline path of as few reads
+        # as identify it exactly; anything else goes through every check (_checked).
+        if type(t) in _PLAIN_TENSORS:
+            fast = _FAST_DTYPES.get(t.dtype)
+            if fast is not None:  # a dtype seen before and accepted: not quantized, stored under this name
+                try:
+                    ptr = t.data_ptr()
+                except RuntimeError:  # every layout but strided (sparse, mkldnn) has none: the checks name it
+                    ptr = 0
+                if ptr:  # 0 also for an empty or a meta tensor
+                    dtype, itemsize, complex_ = fast
+                    cpu = t.is_cpu  # (a torch.device's .type costs more than this read)
+                    shape = t.shape  # a torch.Size is a tuple: no copy
+                    contiguous = t.is_contiguous()
+                    neg = t.is_neg()
+                    conj = complex_ and t.is_conj()  # only complex tensors carry the conjugate bit
+                    # a contiguous view is fixed by where it starts, its shape and dtype; others need strides
+                    key = (ptr, shape, dtype, neg, conj, None if contiguous else t.stride(), None if cpu else t.device)
+                    existing = self._by_identity.get(key)
+                    if existing is not None:
+                        return existing
+                    names = self._names
+                    if path and path not in names:
+                        names.add(path)
+                        name = path
+                    else:
+                        name = self._unique_name(path)
+                    plain = cpu and contiguous and not neg and not conj
+                    self.tensors.append(FlatTensor(name, dtype, shape, t.numel() * itemsize, t, ptr if plain else None))
+                    self._by_identity[key] = name
+                    return name
+        return self._checked(t, path)
+
+    def _checked(self, t: torch.Tensor, path: str) -> str:
+        """Every check, each with its error; then the identity of the tensor's view."""
         if t.layout != torch.strided:
             raise UnsupportedStateError(
                 f"{path or 'state'}: {t.layout} tensors are not supported; convert with .to_dense()",
@@ -163,20 +203,13 @@ class _Flattener:
                 f"{path or 'state'}: tensor subclass {type(t).__name__} is not supported", path=path
             )
         dtype = _DTYPE_NAMES.get(t.dtype) or torch_dtype_name(t.dtype)
-        shape = tuple(t.shape)
+        _FAST_DTYPES.setdefault(t.dtype, (dtype, t.element_size(), t.is_complex()))
         nbytes = t.nbytes
-        key = (
-            "t",
-            t.device,
-            # the memory the view starts at (with its shape, strides and dtype: the same view); empty
-            # tensors have no memory, only an offset
-            t.data_ptr() if nbytes else -1 - t.storage_offset(),
-            shape,
-            t.stride(),
-            dtype,
-            t.is_conj(),
-            t.is_neg(),
-        )
+        if nbytes and t.data_ptr():  # it passes the checks: the fast path takes it from now on
+            return self.tensor(t, path)
+        # an empty tensor has no memory, only an offset
+        shape = tuple(t.shape)
+        key = ("at", t.device, -1 - t.storage_offset(), shape, t.stride(), dtype, t.is_conj(), t.is_neg())
         existing = self._by_identity.get(key)
         if existing is not None:
             return existing
@@ -194,8 +227,10 @@ class _Flattener:
         if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and np.little_endian is False):
             a = a.astype(a.dtype.newbyteorder("<"))
         shape = tuple(int(s) for s in a.shape)
-        key = ("n", a.__array_interface__["data"][0], shape, a.strides, name_of)
-        return self._add(key, path, lambda name: FlatTensor(name, name_of, shape, a.nbytes, a))
+        ptr = int(a.__array_interface__["data"][0])
+        key = ("n", ptr, shape, a.strides, name_of)
+        address = ptr if a.flags.c_contiguous else None
+        return self._add(key, path, lambda name: FlatTensor(name, name_of, shape, a.nbytes, a, address))
 
     def encode(self, obj: Any, path: str) -> Any:
         if type(obj) in _PLAIN_TENSORS:  # the common leaf first

@@ -180,3 +180,43 @@ def test_padding_between_grouped_tensors_is_zero(tmp_path) -> None:
     for entry in manifest["tensors"].values():
         end = entry["offset"] + entry["nbytes"]
         assert data[end : align_up(end)] == bytes(align_up(end) - end)
+
+
+def test_flatten_fast_path_tells_views_apart_and_gives_addresses_only_for_plain_host_tensors() -> None:
+    base = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    c = torch.randn(3, dtype=torch.complex64)
+    state = {
+        "w": base,
+        "tied": base,  # the same view: stored once
+        "flat": base.view(16),  # same memory, another shape
+        "t": base.t(),  # same start, shape and dtype, other strides
+        "row": base[1:],
+        "c": c,
+        "conj": c.conj(),  # same memory as c, the conjugate bit
+        "neg": torch._neg_view(base),  # same memory and strides as w, the negative bit
+        "imag": c.conj().imag,  # a real view with the negative bit
+    }
+    flat = flatten(state)
+    names = {t.name: t for t in flat.tensors}
+    assert flat.tree["tied"] == flat.tree["w"]
+    assert set(names) == {"w", "flat", "t", "row", "c", "conj", "neg", "imag"}
+    plain = {n for n, t in names.items() if t.address is not None}
+    assert plain == {"w", "flat", "row", "c"}
+    assert names["row"].address == base[1:].data_ptr()
+    assert [names[n].nbytes for n in ("w", "row", "c")] == [64, 48, 24]
+    # a sparse or meta tensor of a dtype the fast path knows still gets its own error
+    for bad, fragment in ((base.to_sparse(), "to_dense"), (torch.empty(2, device="meta"), "meta tensor")):
+        with pytest.raises(Exception, match=fragment):
+            flatten({"ok": base, "bad": bad})
+
+
+def test_fast_path_views_round_trip_bit_exact(tmp_path) -> None:
+    base = torch.randn(8, 8)
+    c = torch.randn(5, dtype=torch.complex64)
+    state = {"w": base, "t": base.t(), "neg": torch._neg_view(base), "conj": c.conj(), "imag": c.conj().imag}
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
+    with Checkpointer(str(tmp_path / "ck")) as ck:
+        ck.save(1, state)
+        got = ck.restore(1)
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k

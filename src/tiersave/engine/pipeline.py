@@ -46,7 +46,7 @@ from ..format.layout import ALIGN, align_up
 from ..format.manifest import ShardInfo, TensorEntry
 from ..storage.base import BlobWriter, Storage
 from .increment import Increment
-from .stage import HostCopier, Ring, StagingArena, host_addresses, source_bytes
+from .stage import HostCopier, Ring, StagingArena, host_addresses, needs_pinned, small_memmove, source_bytes
 
 log = logging.getLogger(__name__)
 
@@ -197,11 +197,11 @@ def _plan(
         first = -1  # the open group: its first tensor, start offset and end of its last tensor's data
         g_start = g_end = 0
         shard_of[shard.first : shard.end] = [s] * (shard.end - shard.first)
-        for index in range(shard.first, shard.end):
-            size = nbytes[index]
-            offset = offsets[index]
+        for index, size, offset in zip(
+            range(shard.first, shard.end), nbytes[shard.first : shard.end], offsets[shard.first : shard.end]
+        ):
             if size <= small:
-                if first >= 0 and align_up(offset + size) - g_start <= span_limit:
+                if first >= 0 and -(-(offset + size) // ALIGN) * ALIGN - g_start <= span_limit:  # align_up inline
                     g_end = offset + size
                     continue
                 if first >= 0:
@@ -240,7 +240,10 @@ class StagedWrite:
         executor: Executor,
         copier: HostCopier | None = None,
         increment: Increment | None = None,
+        addresses: Sequence[int | None] | None = None,
     ) -> None:
+        """``addresses``, when given: for each source, where its bytes lie when they can be copied as they are
+        (``state.FlatTensor.address``, read while flattening), else None; not given: read here."""
         self.storage = storage
         self.increment = increment  # an incremental save: hash every unit, skip those equal to the base's
         self.prefix = prefix
@@ -248,7 +251,11 @@ class StagedWrite:
         self.sources = list(sources)
         self.executor = executor
         self.copier = copier
-        self._addresses, self.pinned = host_addresses(self.sources)
+        if addresses is None:
+            self._addresses, self.pinned = host_addresses(self.sources)
+        else:  # only a value without a host address can be a device tensor
+            self._addresses = list(addresses)
+            self.pinned = needs_pinned([s for s, a in zip(self.sources, self._addresses) if a is None])
         # The ring must hold two units to overlap staging with writing, unless the whole save fits.
         min_bytes = min(2 * plan.chunk_bytes, plan.total_bytes)
         self.arena_tensor = arena.reserve(plan.total_bytes, pinned=self.pinned, min_bytes=min_bytes)
@@ -311,9 +318,9 @@ class StagedWrite:
             if u.is_group:
                 on_cuda = self._stage_group(u, segments)
             elif copier is not None and addresses[u.tensor] is not None and len(segments) == 1:
-                # A plain host tensor: copy from the address read once in host_addresses. Each torch call
-                # (detach, view, reshape, data_ptr) releases and retakes the GIL, which on a loaded machine
-                # costs a wait behind the writer threads every time.
+                # A plain host tensor: copy from the address read once (while flattening, or in host_addresses).
+                # Each torch call (detach, view, reshape, data_ptr) releases and retakes the GIL, which on a
+                # loaded machine costs a wait behind the writer threads every time.
                 pos = segments[0][0]
                 copier.copy(arena_ptr + pos, addresses[u.tensor] + u.src_start, u.length)  # type: ignore[operator]
                 if u.padded > u.length:
@@ -365,7 +372,7 @@ class StagedWrite:
         arena_ptr = self.arena_tensor.data_ptr()
         for pos, n in segments:
             ctypes.memset(arena_ptr + pos, 0, n)
-        plan, addresses, memmove = self.plan, self._addresses, ctypes.memmove
+        plan, addresses, memmove = self.plan, self._addresses, small_memmove
         nbytes, offsets = plan.nbytes, plan.offsets
         delta = u.global_offset - u.file_offset
         wrapped = len(segments) > 1
@@ -394,22 +401,25 @@ class StagedWrite:
         arena_ptr = self.arena_tensor.data_ptr()
         plan, addresses = self.plan, self._addresses
         nbytes, offsets = plan.nbytes, plan.offsets
-        copies: list[tuple[int, int, int]] = []
+        copies: list[tuple[int, int, int]] = []  # the large copies, shared out over the copier's threads
         keep_alive = []  # contiguous copies made by source_bytes must outlive the memmoves
-        memset = ctypes.memset
+        memset, memmove, sources = ctypes.memset, small_memmove, self.sources
         for u in plan.units:
             if u.is_group:
+                # small tensors are copied right here, one after the other: a thread would only add a
+                # GIL hand-off per tensor, and a list of copies a tuple per tensor
+                first, end = u.tensor, u.end
                 memset(arena_ptr + u.global_offset, 0, u.padded)
                 delta = arena_ptr + u.global_offset - u.file_offset
-                for i in range(u.tensor, u.end):
-                    n = nbytes[i]
+                for i, n, offset, addr in zip(
+                    range(first, end), nbytes[first:end], offsets[first:end], addresses[first:end]
+                ):
                     if n:
-                        addr = addresses[i]
                         if addr is None:
-                            src = source_bytes(self.sources[i])
+                            src = source_bytes(sources[i])
                             keep_alive.append(src)
                             addr = src.data_ptr()
-                        copies.append((delta + offsets[i], addr, n))
+                        memmove(delta + offset, addr, n)
                 continue
             addr = addresses[u.tensor]
             if addr is None:
@@ -517,8 +527,8 @@ class StagedWrite:
     def _entries(self) -> dict[str, TensorEntry]:
         plan, entry, many = self.plan, TensorEntry, self.crcs
         return {
-            name: entry(
-                name, dtype, shape, shard, offset, n, ((crc,) if i not in many else tuple(many[i])) if n else ()
+            name: entry(  # a flattened shape may be a torch.Size: the manifest holds plain tuples
+                name, dtype, tuple(shape), shard, offset, n, ((crc,) if i not in many else tuple(many[i])) if n else ()
             )
             for i, (name, dtype, shape, shard, offset, n, crc) in enumerate(
                 zip(plan.names, plan.dtypes, plan.shapes, plan.shard_of, plan.offsets, plan.nbytes, self.crc1)

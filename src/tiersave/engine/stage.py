@@ -233,6 +233,26 @@ class HostCopier:
             self._pool.shutdown(wait=False)
 
 
+def _gil_holding_memmove() -> Any:
+    """``memmove`` called with the GIL held, for copies of small tensors (at most a few hundred KiB).
+
+    ``ctypes.memmove`` releases and retakes the GIL on every call: for a 1 KiB copy that costs more than the
+    copy, and on a loaded machine each retake waits behind the writer threads (measured: 1.4-1.7 us against
+    1.05 us per 1 KiB tensor with one other thread running). Where the C library cannot be opened this way
+    the ordinary ``ctypes.memmove`` copies the same bytes.
+    """
+    try:
+        fn = ctypes.PyDLL(None).memmove
+    except (OSError, AttributeError, TypeError):  # no dlopen(NULL) here (not Linux or macOS)
+        return ctypes.memmove
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    fn.restype = ctypes.c_void_p
+    return fn
+
+
+small_memmove = _gil_holding_memmove()
+
+
 def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
     for dst, src, n in copies:
         ctypes.memmove(dst, src, n)
