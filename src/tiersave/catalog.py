@@ -429,6 +429,8 @@ class Catalog:
         finally:
             if own:
                 pool.shutdown()
+        if errors and not self.storage.exists(f"{step_dirname(step)}/{MANIFEST_NAME}"):  # another's retention
+            errors = [f"no checkpoint of step {step} in {self.storage.uri}: it was deleted while it was verified"]
         return VerifyReport(step, not errors, checked, time.perf_counter() - start, errors, notes)
 
     @staticmethod
