@@ -22,6 +22,7 @@ from typing import Any
 
 from . import knobs
 from .commit import owner_alive
+from .engine.codec import DecodingReader
 from .engine.reader import ReadRequest, read_tensors
 from .errors import (
     CheckpointNotFoundError,
@@ -203,6 +204,8 @@ class OpenCheckpoint:
                         step=self.step,
                         file=info.file,
                     ) from None
+                if info.encoding is not None:  # serves decoded bytes at decoded offsets, checking each frame
+                    reader = DecodingReader(reader, info.encoding, where=self.location, step=self.step, file=info.file)
                 if reader.size != info.size:
                     reader.close()
                     raise CorruptCheckpointError(

@@ -46,6 +46,7 @@ from urllib.parse import urlparse
 from .catalog import Catalog, CheckpointInfo
 from .commit import CommitStrategy, commit_for
 from .drain import copy_checkpoint
+from .engine.codec import require_codec
 from .engine.pool import DaemonThreadPool
 from .errors import CheckpointNotFoundError, ConfigError, FormatError, TiersaveError
 from .events import EVENTS_NAME, EventLog, background_warning
@@ -83,6 +84,9 @@ class Tier:
             replacement restores from a peer's RAM (docs/tiers.md, "Peer-memory replicas").
         failure_domain: with ``replicas``, this node's failure domain (e.g. its rack): replicas go to nodes of
             other domains first. None: ``TIERSAVE_FAILURE_DOMAIN``, else every node is its own domain.
+        compress: for a later tier: ``"zstd"`` has the drain to this tier write its shards compressed, with
+            floating-point data split into byte planes first (docs/tiers.md, "Compression"); needs
+            ``tiersave[zstd]``. None (default): plain shards.
     """
 
     uri: str | os.PathLike[str] | Storage
@@ -93,8 +97,11 @@ class Tier:
     io: str | None = None
     replicas: int = 0
     failure_domain: str | None = None
+    compress: str | None = None
 
     def __post_init__(self) -> None:
+        if self.compress is not None:
+            require_codec(self.compress)
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
             raise ConfigError(f"Tier replicas must be a non-negative integer, got {self.replicas!r}")
         if self.failure_domain is not None and (
@@ -242,6 +249,11 @@ def check_chain(tiers: list[TierRuntime]) -> None:
     for later in tiers[1:]:
         if later.spec.replicas:
             raise ConfigError(f"replicas= applies to the first tier (a memory tier), not to {later.name}")
+    if first.compress is not None:
+        raise ConfigError(
+            f"compress= applies to later tiers, which a drain writes in the background; the first tier "
+            f"({tiers[0].name}) is written on the save's path, uncompressed"
+        )
     names = [t.name for t in tiers]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -500,7 +512,9 @@ class TierChain:
         source = self.first
         started, started_wall = time.perf_counter(), time.time()
         try:
-            result = copy_checkpoint(source.storage, tier.storage, step, if_exists="skip", executor=tier.copier)
+            result = copy_checkpoint(
+                source.storage, tier.storage, step, if_exists="skip", executor=tier.copier, compress=tier.spec.compress
+            )
             info = tier.catalog.info(step)
         except BaseException as exc:
             self.protection.release(0, step)
