@@ -199,3 +199,16 @@ def test_s3_round_trip(src, s3_storage, tmp_path):
     copy_checkpoint(s3_storage, back, 5)
     assert all(s.encoding is None for s in Catalog(back).manifest(5).shards)
     assert_same(restore(back), state(5))
+
+
+def test_export_from_a_compressed_tier(src, tmp_path):
+    from safetensors.torch import load_file
+
+    from tiersave.export import export_safetensors
+
+    dst, _, _ = _compressed(src, tmp_path)
+    export_safetensors(Catalog(dst), 5, tmp_path / "out.safetensors")
+    loaded = load_file(str(tmp_path / "out.safetensors"))
+    want = state(5)
+    for name in ("fp32", "bf16", "fp16", "int", "bool"):
+        assert_same(loaded[name], want[name])
