@@ -31,6 +31,7 @@ tier's own drain thread; listing may run on any thread.
 from __future__ import annotations
 
 import builtins
+import functools
 import math
 import os
 import threading
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
+from .autocompress import AutoCompress
 from .catalog import Catalog, CheckpointInfo
 from .commit import CommitStrategy, commit_for
 from .drain import copy_checkpoint
@@ -84,9 +86,8 @@ class Tier:
             replacement restores from a peer's RAM (docs/tiers.md, "Peer-memory replicas").
         failure_domain: with ``replicas``, this node's failure domain (e.g. its rack): replicas go to nodes of
             other domains first. None: ``TIERSAVE_FAILURE_DOMAIN``, else every node is its own domain.
-        compress: for a later tier: ``"zstd"`` has the drain to this tier write its shards compressed, with
-            floating-point data split into byte planes first (docs/tiers.md, "Compression"); needs
-            ``tiersave[zstd]``. None (default): plain shards.
+        compress: a later tier's drains write zstd-compressed shards (``"zstd"``), only where measured to pay
+            (``"auto"``), or plain ones (None); needs ``tiersave[zstd]`` (docs/tiers.md, "Compression").
     """
 
     uri: str | os.PathLike[str] | Storage
@@ -101,7 +102,7 @@ class Tier:
 
     def __post_init__(self) -> None:
         if self.compress is not None:
-            require_codec(self.compress)
+            require_codec("zstd" if self.compress == "auto" else self.compress)
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
             raise ConfigError(f"Tier replicas must be a non-negative integer, got {self.replicas!r}")
         if self.failure_domain is not None and (
@@ -168,6 +169,7 @@ class TierRuntime:
         self.busy: Future[object] | None = None
         self.drainer: DaemonThreadPool | None = None
         self.copier: DaemonThreadPool | None = None
+        self.auto = AutoCompress(self.name, io_threads) if spec.compress == "auto" and index else None
         if index > 0:
             self.drainer = DaemonThreadPool(1, f"tiersave-drain-{self.name}")
             self.copier = DaemonThreadPool(io_threads, f"tiersave-copy-{self.name}")
@@ -250,10 +252,7 @@ def check_chain(tiers: list[TierRuntime]) -> None:
         if later.spec.replicas:
             raise ConfigError(f"replicas= applies to the first tier (a memory tier), not to {later.name}")
     if first.compress is not None:
-        raise ConfigError(
-            f"compress= applies to later tiers, which a drain writes in the background; the first tier "
-            f"({tiers[0].name}) is written on the save's path, uncompressed"
-        )
+        raise ConfigError(f"compress= applies to later tiers (drained in the background), not to {tiers[0].name}")
     names = [t.name for t in tiers]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -512,9 +511,10 @@ class TierChain:
         source = self.first
         started, started_wall = time.perf_counter(), time.time()
         try:
-            result = copy_checkpoint(
-                source.storage, tier.storage, step, if_exists="skip", executor=tier.copier, compress=tier.spec.compress
+            run = functools.partial(
+                copy_checkpoint, source.storage, tier.storage, step, if_exists="skip", executor=tier.copier
             )
+            result = run(compress=tier.spec.compress) if tier.auto is None else tier.auto.drain(run)
             info = tier.catalog.info(step)
         except BaseException as exc:
             self.protection.release(0, step)

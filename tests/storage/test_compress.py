@@ -107,7 +107,7 @@ def test_drain_to_a_compressed_tier(tmp_path):
 def test_tier_option_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="compress must be one of"):
         tiersave.Tier(tmp_path, compress="gzip")
-    with pytest.raises(ConfigError, match="later tiers"):
+    with pytest.raises(ConfigError, match="applies to later tiers"):
         tiersave.Checkpointer(tiers=[tiersave.Tier(tmp_path / "a", compress="zstd"), tiersave.Tier(tmp_path / "b")])
 
 
@@ -212,3 +212,58 @@ def test_export_from_a_compressed_tier(src, tmp_path):
     want = state(5)
     for name in ("fp32", "bf16", "fp16", "int", "bool"):
         assert_same(loaded[name], want[name])
+
+
+def test_auto_sends_the_first_drain_plain_then_compresses_only_where_it_pays(src, tmp_path, caplog):
+    import functools
+    import logging
+
+    from tiersave.autocompress import AutoCompress, codec_calibration
+
+    auto = AutoCompress("slow", threads=2)
+    results = []
+    for i, slow in enumerate((None, 1e3, 1e13)):  # first unmeasured; then a 1 kB/s tier; then a 10 TB/s one
+        if slow is not None:
+            auto.write_bps = slow
+        dst = LocalStorage(tmp_path / f"t{i}")
+        with caplog.at_level(logging.INFO, logger="tiersave.autocompress"):
+            results.append(auto.drain(functools.partial(copy_checkpoint, src, dst, 5)))
+        encoded = [s.encoding is not None for s in Catalog(dst).manifest(5).shards]
+        assert all(encoded) if slow == 1e3 else not any(encoded)
+        assert_same(restore(dst), state(5))
+    assert "sending plain to measure it" in caplog.text
+    assert "compressing is faster end to end" in caplog.text and "would not be faster" in caplog.text
+    assert results[1].file_bytes < results[1].stored_bytes
+    assert codec_calibration().bytes_per_s > 0 and codec_calibration().ratio > 1
+
+
+def test_codec_calibration_is_cached(tmp_path, monkeypatch):
+    from tiersave import autocompress
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(autocompress, "_calibration", None)
+    first = autocompress.codec_calibration()
+    cache = tmp_path / "tiersave" / "codec-calibration.json"
+    doc = json.loads(cache.read_text())
+    (entry,) = doc.values()
+    assert entry["bytes_per_s"] == first.bytes_per_s
+    entry["bytes_per_s"] = 123.0  # the next process reads the cache instead of measuring
+    cache.write_text(json.dumps(doc))
+    monkeypatch.setattr(autocompress, "_calibration", None)
+    assert autocompress.codec_calibration().bytes_per_s == 123.0
+    monkeypatch.setattr(autocompress, "_calibration", None)
+
+
+def test_auto_tier_in_a_chain(tmp_path):
+    tiers = [
+        tiersave.Tier(tmp_path / "fast", name="fast"),
+        tiersave.Tier(tmp_path / "slow", name="slow", compress="auto"),
+    ]
+    with tiersave.Checkpointer(tiers=tiers, chunk_bytes=1 << 20) as ckpt:
+        ckpt.save(1, state(1)).result()
+        assert ckpt.wait(60)
+        ckpt.save(2, state(2)).result()
+        assert ckpt.wait(60)
+    slow = LocalStorage(tmp_path / "slow")
+    assert all(s.encoding is None for s in Catalog(slow).manifest(1).shards)  # the measuring drain
+    assert_same(restore(slow, 2), state(2))  # plain or compressed, as measured: restorable either way
