@@ -90,15 +90,21 @@ def test_frames_cover_each_chunk_once(src):
                     assert any(a <= lo and hi <= b for a, b in bounds), (t.name, k)
 
 
-def test_drain_to_a_compressed_tier(tmp_path):
+def chain_saves(tmp_path, compress, steps):
+    """Saves through a two-tier chain whose second tier has ``compress``; returns that tier's storage."""
     tiers = [
         tiersave.Tier(tmp_path / "fast", name="fast"),
-        tiersave.Tier(tmp_path / "slow", name="slow", compress="zstd"),
+        tiersave.Tier(tmp_path / "slow", name="slow", compress=compress),
     ]
     with tiersave.Checkpointer(tiers=tiers, chunk_bytes=1 << 20) as ckpt:
-        ckpt.save(7, state(7)).result()
-        assert ckpt.wait(60)
-    slow = LocalStorage(tmp_path / "slow")
+        for step in steps:
+            ckpt.save(step, state(step)).result()
+            assert ckpt.wait(60)
+    return LocalStorage(tmp_path / "slow")
+
+
+def test_drain_to_a_compressed_tier(tmp_path):
+    slow = chain_saves(tmp_path, "zstd", [7])
     m = Catalog(slow).manifest(7)
     assert all(s.encoding is not None for s in m.shards)
     assert_same(restore(slow, 7), state(7))
@@ -255,15 +261,6 @@ def test_codec_calibration_is_cached(tmp_path, monkeypatch):
 
 
 def test_auto_tier_in_a_chain(tmp_path):
-    tiers = [
-        tiersave.Tier(tmp_path / "fast", name="fast"),
-        tiersave.Tier(tmp_path / "slow", name="slow", compress="auto"),
-    ]
-    with tiersave.Checkpointer(tiers=tiers, chunk_bytes=1 << 20) as ckpt:
-        ckpt.save(1, state(1)).result()
-        assert ckpt.wait(60)
-        ckpt.save(2, state(2)).result()
-        assert ckpt.wait(60)
-    slow = LocalStorage(tmp_path / "slow")
+    slow = chain_saves(tmp_path, "auto", [1, 2])
     assert all(s.encoding is None for s in Catalog(slow).manifest(1).shards)  # the measuring drain
     assert_same(restore(slow, 2), state(2))  # plain or compressed, as measured: restorable either way
