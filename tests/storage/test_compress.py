@@ -264,3 +264,47 @@ def test_auto_tier_in_a_chain(tmp_path):
     slow = chain_saves(tmp_path, "auto", [1, 2])
     assert all(s.encoding is None for s in Catalog(slow).manifest(1).shards)  # the measuring drain
     assert_same(restore(slow, 2), state(2))  # plain or compressed, as measured: restorable either way
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda e: e.update(codec="lz4"), "codec 'lz4' is not supported"),
+        (lambda e: e.update(extra=1), "exactly the fields codec and frames"),
+        (lambda e: e.update(frames=[]), "non-empty array"),
+        (lambda e: e["frames"][0].__setitem__(2, "xyz"), r"must be \[raw_bytes, stored_bytes, crc32c_hex, planes\]"),
+        (lambda e: e["frames"][0].__setitem__(3, 3), "planes 3 is not one of"),
+        (lambda e: e["frames"][0].__setitem__(1, e["frames"][0][0] + 1), "stores .* bytes, outside"),
+        (lambda e: e["frames"][0].__setitem__(0, True), "must be \\[raw_bytes"),
+        (lambda e: e["frames"].pop(), "frames decode to .* the shard has"),
+    ],
+)
+def test_malformed_encoding_is_a_format_error(src, tmp_path, edit, message):
+    dst, _, _ = _compressed(src, tmp_path)
+    path = _edit_manifest(dst, lambda doc: edit(doc["shards"][0]["encoding"]))
+    with pytest.raises(FormatError, match=message):
+        Manifest.parse(path.read_bytes(), path=str(path))
+
+
+def test_any_decoded_range_reads_back_exactly(src, tmp_path):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    dst, m, _ = _compressed(src, tmp_path)
+    plain = (src.root / step_dirname(5) / Catalog(src).manifest(5).shards[0].file).read_bytes()
+    size = m.shards[0].size
+    with Catalog(dst).open(5) as ckpt:
+        reader = ckpt.reader(0)
+        assert reader.size == size
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(st.integers(0, size - 1), st.integers(1, 3 << 20))
+        def check(offset, length):
+            length = min(length, size - offset)
+            out = bytearray(length)
+            reader.read_into(offset, memoryview(out))
+            assert out == plain[offset : offset + length]
+
+        check()
+        with pytest.raises(CorruptCheckpointError, match="past the decoded end"):
+            reader.read_into(size - 10, memoryview(bytearray(20)))

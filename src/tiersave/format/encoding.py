@@ -102,6 +102,8 @@ def parse_encoding(raw: Any, size: int, chunk_bytes: int, what: str, fail: Calla
             raise fail(f"{what}.frames[{i}] stores {stored} bytes, outside 1..{n} (its decoded length)")
         if planes not in PLANES:
             raise fail(f"{what}.frames[{i}] planes {planes} is not one of {sorted(PLANES)}")
+        if stored == n and planes != 1:
+            raise fail(f"{what}.frames[{i}] is stored verbatim (stored = decoded length) but declares {planes} planes")
         frames.append(Frame(n, stored, crc, planes))
     encoding = Encoding(codec, tuple(frames))
     if encoding.raw_size != size:
