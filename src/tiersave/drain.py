@@ -14,7 +14,9 @@ frames of each shard in order. A compressed source is decoded on the way (every 
 decoded), so a copy to a tier without compression writes plain shards.
 
 Memory: at most ``buffer_bytes`` (default 256 MiB, at least two chunks) of chunk buffers, plus what the
-destination's writer buffers (an S3 writer's ``write_buffer``).
+destination's writer buffers (an S3 writer's ``write_buffer``). A compressed copy holds as many frames in
+flight, each with its decoded and stored bytes and, while compressing, its byte-plane copy: about three
+times ``buffer_bytes`` at most.
 
 Thread safety: ``copy_checkpoint`` may run concurrently for different steps or destinations; one call
 uses the caller's thread to schedule and ``io_threads`` workers to move bytes.

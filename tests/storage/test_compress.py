@@ -180,7 +180,7 @@ def test_frame_whose_content_lies_about_its_length(src, tmp_path):
         doc["shards"][0]["encoding"]["frames"][index + 1][0] += 4096
 
     _edit_manifest(dst, shrink)
-    with pytest.raises(CorruptCheckpointError, match=f"frame {index} .*declares"):
+    with pytest.raises(CorruptCheckpointError, match=rf"frame ({index}|{index + 1}) .*declares"):
         restore(dst)
 
 
