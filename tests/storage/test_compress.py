@@ -308,3 +308,13 @@ def test_any_decoded_range_reads_back_exactly(src, tmp_path):
         check()
         with pytest.raises(CorruptCheckpointError, match="past the decoded end"):
             reader.read_into(size - 10, memoryview(bytearray(20)))
+
+
+def test_restore_falls_back_to_the_compressed_tier(tmp_path):
+    import shutil
+
+    chain_saves(tmp_path, "zstd", [3])
+    shutil.rmtree(tmp_path / "fast" / step_dirname(3))  # the fast tier lost it (a node replaced)
+    tiers = [tiersave.Tier(tmp_path / "fast", name="fast"), tiersave.Tier(tmp_path / "slow", name="slow")]
+    with tiersave.Checkpointer(tiers=tiers) as ckpt:
+        assert_same(ckpt.restore(), state(3))
