@@ -17,11 +17,12 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from . import knobs
 from .commit import owner_alive
+from .engine.codec import DecodingReader
 from .engine.reader import ReadRequest, read_tensors
 from .errors import (
     CheckpointNotFoundError,
@@ -138,14 +139,7 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "ok": self.ok,
-            "bytes_checked": self.bytes_checked,
-            "seconds": round(self.seconds, 6),
-            "errors": self.errors,
-            "notes": self.notes,
-        }
+        return {**asdict(self), "seconds": round(self.seconds, 6)}
 
 
 @dataclass
@@ -158,12 +152,7 @@ class PruneResult:
     live_saves: list[str]
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "deleted": self.deleted,
-            "kept": self.kept,
-            "leftovers_removed": self.leftovers_removed,
-            "live_saves": self.live_saves,
-        }
+        return asdict(self)
 
 
 class OpenCheckpoint:
@@ -204,6 +193,8 @@ class OpenCheckpoint:
                         step=self.step,
                         file=info.file,
                     ) from None
+                if info.encoding is not None:  # serves decoded bytes at decoded offsets, checking each frame
+                    reader = DecodingReader(reader, info.encoding, where=self.location, step=self.step, file=info.file)
                 if reader.size != info.size:
                     reader.close()
                     raise CorruptCheckpointError(

@@ -8,8 +8,15 @@ The destination copy is written with the destination's own commit protocol (``co
 becomes visible only once complete, and, with ``read_back=True``, only after every chunk was read back
 from the destination and checked again. Anti-scope: deciding what to copy when (the TierChain), torch.
 
+With ``compress="zstd"`` the destination's shards are written compressed (docs/format.md section 10): the
+worker threads read a frame, check its chunks, split and compress it, and the calling thread writes the
+frames of each shard in order. A compressed source is decoded on the way (every frame checked before it is
+decoded), so a copy to a tier without compression writes plain shards.
+
 Memory: at most ``buffer_bytes`` (default 256 MiB, at least two chunks) of chunk buffers, plus what the
-destination's writer buffers (an S3 writer's ``write_buffer``).
+destination's writer buffers (an S3 writer's ``write_buffer``). A compressed copy holds as many frames in
+flight, each with its decoded and stored bytes and, while compressing, its byte-plane copy: about three
+times ``buffer_bytes`` at most.
 
 Thread safety: ``copy_checkpoint`` may run concurrently for different steps or destinations; one call
 uses the caller's thread to schedule and ``io_threads`` workers to move bytes.
@@ -23,6 +30,8 @@ import logging
 import queue
 import threading
 import time
+from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -31,8 +40,10 @@ from typing import Any, Literal
 from . import knobs
 from .catalog import Catalog
 from .commit import commit_for
+from .engine.codec import DecodingReader, encode_frame, plan_frames, require_codec
 from .errors import AlreadyExistsError, ConfigError, CorruptCheckpointError
 from .format.checksum import chunk_ranges, crc32c_hex
+from .format.encoding import Encoding, Frame
 from .format.layout import MANIFEST_NAME, shard_filename, step_dirname
 from .format.manifest import Manifest, ShardInfo
 from .storage.base import BlobReader, BlobWriter, Storage
@@ -58,6 +69,7 @@ class CopyResult:
         seconds: wall time.
         skipped: the destination already held this very checkpoint; nothing was written.
         read_back: every chunk was read back from the destination and verified before the commit.
+        file_bytes: bytes of the destination's shard files (less than ``stored_bytes`` when compressed).
     """
 
     step: int
@@ -68,6 +80,7 @@ class CopyResult:
     seconds: float
     skipped: bool = False
     read_back: bool = False
+    file_bytes: int = 0
 
     @property
     def bytes_per_s(self) -> float:
@@ -83,6 +96,7 @@ class CopyResult:
             "seconds": round(self.seconds, 6),
             "skipped": self.skipped,
             "read_back": self.read_back,
+            "file_bytes": self.file_bytes,
         }
 
 
@@ -173,6 +187,7 @@ def copy_checkpoint(
     buffer_bytes: int | None = None,
     executor: Executor | None = None,
     progress: Callable[[int, int], None] | None = None,
+    compress: str | None = None,
 ) -> CopyResult:
     """Copy the committed checkpoint of ``step`` from ``src`` to ``dst``, verified, atomically.
 
@@ -194,6 +209,7 @@ def copy_checkpoint(
         buffer_bytes: memory for chunk buffers (default 256 MiB; at least two chunks are used).
         executor: run transfers on this pool instead of a private one.
         progress: called with ``(bytes_done, bytes_total)`` after each chunk (from worker threads).
+        compress: None writes plain shards; ``"zstd"`` writes them compressed (format 3.0).
 
     Returns:
         What was copied.
@@ -208,6 +224,8 @@ def copy_checkpoint(
     """
     if if_exists not in ("error", "skip"):
         raise ConfigError(f"if_exists must be 'error' or 'skip', got {if_exists!r}")
+    if compress is not None:
+        require_codec(compress)
     started = time.perf_counter()
     source = Catalog(src)
     manifest = source.manifest(step)
@@ -263,20 +281,24 @@ def copy_checkpoint(
                 writers[chunk.shard].write_at(chunk.offset, view)
                 advance(chunk.length)
 
-            pump = _Pump(pool, nbuffers, manifest.chunk_bytes)
-            pump.run(chunks, transfer)
-            for writer, shard in zip(writers, manifest.shards):
-                writer.finish(shard.size)
+            encodings: list[Encoding | None] = [None] * len(manifest.shards)
+            if compress is None:
+                _Pump(pool, nbuffers, manifest.chunk_bytes).run(chunks, transfer)
+                for writer, shard in zip(writers, manifest.shards):
+                    writer.finish(shard.size)
+            else:
+                encodings = list(_write_encoded(ckpt.reader, manifest, writers, pool, nbuffers, src_location, advance))
         new_manifest = dataclasses.replace(
             manifest,
             shards=tuple(
-                ShardInfo(commit.shard_file(prefix, name), s.rank, s.size) for name, s in zip(names, manifest.shards)
+                ShardInfo(commit.shard_file(prefix, name), s.rank, s.size, encoding=enc)
+                for name, s, enc in zip(names, manifest.shards, encodings)
             ),
         )
         data = new_manifest.to_json()
         Manifest.parse(data, path=f"{dst_location}/{MANIFEST_NAME}", expect_step=step)
         if read_back:
-            _read_back(dst, prefix, names, manifest, dst_location, pool, nbuffers, advance)
+            _read_back(dst, prefix, names, new_manifest, dst_location, pool, nbuffers, advance)
         commit.commit(prefix, step, data)
     except BaseException:
         for writer in writers:
@@ -300,6 +322,7 @@ def copy_checkpoint(
         manifest.stored_bytes,
         time.perf_counter() - started,
         read_back=read_back,
+        file_bytes=new_manifest.file_bytes,
     )
 
 
@@ -337,6 +360,8 @@ def _read_back(
     try:
         for name, shard in zip(names, manifest.shards):
             reader = dst.open_reader(f"{prefix}/{name}")
+            if shard.encoding is not None:
+                reader = DecodingReader(reader, shard.encoding, where=where, step=manifest.step, file=name)
             readers.append(reader)
             if reader.size != shard.size:
                 raise CorruptCheckpointError(
@@ -356,6 +381,66 @@ def _read_back(
             reader.close()
 
 
+def _write_encoded(
+    source: Callable[[int], BlobReader],
+    manifest: Manifest,
+    writers: Sequence[BlobWriter],
+    pool: Executor,
+    window: int,
+    where: str,
+    advance: Callable[[int], None],
+) -> list[Encoding]:
+    """Write every shard compressed: ``window`` frames are read, checked and compressed on the pool while
+    this thread writes the finished ones in order (a frame's stored offset is known only once the frames
+    before it are compressed). Returns each shard's encoding."""
+    chunks: dict[int, list[_Chunk]] = {}
+    for c in _chunks(manifest):
+        chunks.setdefault(c.shard, []).append(c)
+    starts = {shard: [c.offset for c in cs] for shard, cs in chunks.items()}
+
+    def encode(shard: int, offset: int, length: int, planes: int) -> tuple[bytes, Frame, int]:
+        view = memoryview(bytearray(length))
+        source(shard).read_into(offset, view)
+        checked = 0
+        first = bisect_left(starts.get(shard, []), offset)
+        for chunk in chunks.get(shard, [])[first:]:
+            if chunk.offset >= offset + length:
+                break
+            _check(view[chunk.offset - offset : chunk.offset - offset + chunk.length], chunk, manifest, where)
+            checked += chunk.length
+        stored, frame = encode_frame(view, planes)
+        return stored, frame, checked
+
+    frames: list[list[Frame]] = [[] for _ in manifest.shards]
+    written = [0] * len(manifest.shards)
+    pending: deque[tuple[int, Future[tuple[bytes, Frame, int]]]] = deque()
+
+    def drain_one() -> None:
+        shard, future = pending.popleft()
+        stored, frame, checked = future.result()
+        writers[shard].write_at(written[shard], memoryview(stored))
+        written[shard] += len(stored)
+        frames[shard].append(frame)
+        advance(checked)
+
+    try:
+        for shard in range(len(manifest.shards)):
+            for offset, length, planes in plan_frames(manifest, shard):
+                if len(pending) >= window:
+                    drain_one()
+                pending.append((shard, pool.submit(encode, shard, offset, length, planes)))
+        while pending:
+            drain_one()
+    except BaseException:
+        for _, future in pending:
+            future.cancel()
+        wait([f for _, f in pending])
+        raise
+    for shard, writer in enumerate(writers):
+        writer.finish(written[shard])
+    return [Encoding("zstd", tuple(f)) for f in frames]
+
+
 def copy_checkpoints(
     src: Storage,
     dst: Storage,
@@ -366,6 +451,7 @@ def copy_checkpoints(
     io_threads: int | None = None,
     buffer_bytes: int | None = None,
     progress: Callable[[int, int, int], None] | None = None,
+    compress: str | None = None,
 ) -> list[CopyResult]:
     """Copy several committed checkpoints (default: all of ``src``), oldest first, sharing one pool.
 
@@ -393,6 +479,7 @@ def copy_checkpoints(
                     buffer_bytes=buffer_bytes,
                     executor=pool,
                     progress=report,
+                    compress=compress,
                 )
             )
     return results

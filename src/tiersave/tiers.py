@@ -31,6 +31,7 @@ tier's own drain thread; listing may run on any thread.
 from __future__ import annotations
 
 import builtins
+import functools
 import math
 import os
 import threading
@@ -43,9 +44,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
+from .autocompress import AutoCompress
 from .catalog import Catalog, CheckpointInfo
 from .commit import CommitStrategy, commit_for
 from .drain import copy_checkpoint
+from .engine.codec import require_codec
 from .engine.pool import DaemonThreadPool
 from .errors import CheckpointNotFoundError, ConfigError, FormatError, TiersaveError
 from .events import EVENTS_NAME, EventLog, background_warning
@@ -53,6 +56,7 @@ from .format.manifest import Manifest
 from .policy import KeepLast, RetentionPolicy, parse_policy
 from .storage import open_storage
 from .storage.base import Storage
+from .units import ordinal
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handle import SaveHandle
@@ -83,6 +87,8 @@ class Tier:
             replacement restores from a peer's RAM (docs/tiers.md, "Peer-memory replicas").
         failure_domain: with ``replicas``, this node's failure domain (e.g. its rack): replicas go to nodes of
             other domains first. None: ``TIERSAVE_FAILURE_DOMAIN``, else every node is its own domain.
+        compress: a later tier's drains write zstd-compressed shards (``"zstd"``), only where measured to pay
+            (``"auto"``), or plain ones (None); needs ``tiersave[zstd]`` (docs/tiers.md, "Compression").
     """
 
     uri: str | os.PathLike[str] | Storage
@@ -93,8 +99,11 @@ class Tier:
     io: str | None = None
     replicas: int = 0
     failure_domain: str | None = None
+    compress: str | None = None
 
     def __post_init__(self) -> None:
+        if self.compress is not None:
+            require_codec("zstd" if self.compress == "auto" else self.compress)
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
             raise ConfigError(f"Tier replicas must be a non-negative integer, got {self.replicas!r}")
         if self.failure_domain is not None and (
@@ -161,6 +170,7 @@ class TierRuntime:
         self.busy: Future[object] | None = None
         self.drainer: DaemonThreadPool | None = None
         self.copier: DaemonThreadPool | None = None
+        self.auto = AutoCompress(self.name, io_threads) if spec.compress == "auto" and index else None
         if index > 0:
             self.drainer = DaemonThreadPool(1, f"tiersave-drain-{self.name}")
             self.copier = DaemonThreadPool(io_threads, f"tiersave-copy-{self.name}")
@@ -242,6 +252,8 @@ def check_chain(tiers: list[TierRuntime]) -> None:
     for later in tiers[1:]:
         if later.spec.replicas:
             raise ConfigError(f"replicas= applies to the first tier (a memory tier), not to {later.name}")
+    if first.compress is not None:
+        raise ConfigError(f"compress= applies to later tiers (drained in the background), not to {tiers[0].name}")
     names = [t.name for t in tiers]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -501,7 +513,10 @@ class TierChain:
         source = self.first
         started, started_wall = time.perf_counter(), time.time()
         try:
-            result = copy_checkpoint(source.storage, tier.storage, step, if_exists="skip", executor=tier.copier)
+            run = functools.partial(
+                copy_checkpoint, source.storage, tier.storage, step, if_exists="skip", executor=tier.copier
+            )
+            result = run(compress=tier.spec.compress) if tier.auto is None else tier.auto.drain(run)
             info = tier.catalog.info(step)
         except BaseException as exc:
             self.protection.release(0, step)
@@ -561,12 +576,6 @@ class TierChain:
             if runtime.storage.capabilities.atomic_rename:
                 runtime.catalog.clean_leftovers()
         return sorted(set(deleted))
-
-
-def ordinal(n: int) -> str:
-    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``22nd``..."""
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
 
 
 def _first_valid(

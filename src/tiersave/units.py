@@ -19,6 +19,7 @@ __all__ = [
     "format_duration",
     "format_si_bytes",
     "human_bytes",
+    "ordinal",
     "parse_bytes",
     "parse_count",
     "parse_duration",
@@ -180,3 +181,9 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     sep = "  ".join("-" * w for w in widths)
     body = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     return "\n".join(row.rstrip() for row in [line, sep, *body])
+
+
+def ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``22nd``..."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"

@@ -114,3 +114,23 @@ def test_copy_command_imports_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "tiersave copy" in proc.stdout
+
+
+@pytest.mark.s3
+def test_copy_compressed_to_s3_and_inspect_shows_the_ratio(src, s3_uri, tmp_path, capsys):
+    code, doc, _ = run_json(capsys, "copy", str(src), s3_uri, "--step", "2", "--compress", "zstd")
+    assert code == 0 and doc["ok"]
+    copied = doc["copied"][0]
+    assert copied["file_bytes"] < copied["stored_bytes"] / 10  # torch.full compresses to almost nothing
+    code, info, _ = run_json(capsys, "inspect", s3_uri, "--step", "2")
+    assert code == 0 and info["format_version"] == "3.0"
+    assert info["file_bytes"] == copied["file_bytes"] and info["compression_ratio"] > 10
+    assert main(["inspect", s3_uri, "--step", "2"]) == 0
+    assert "compressed (zstd):" in capsys.readouterr().out
+    assert main(["verify", s3_uri, "--step", "2"]) == 0
+    capsys.readouterr()
+    back = tmp_path / "back"
+    code, doc, _ = run_json(capsys, "copy", s3_uri, str(back), "--step", "2")
+    assert code == 0 and doc["copied"][0]["file_bytes"] == doc["copied"][0]["stored_bytes"]
+    with tiersave.Checkpointer(back) as ckpt:
+        assert torch.equal(ckpt.restore(2)["w"], torch.full((1000, 700), 2.0))

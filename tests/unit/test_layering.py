@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.replicated",
             "tiersave.tiers",
             "tiersave.drain",
+            "tiersave.autocompress",
             "tiersave.catalog",
             "tiersave.commit",
             "tiersave.restore",

@@ -44,6 +44,11 @@ def register(sub: Any) -> None:
         action="store_true",
         help="skip reading the copy back from DST (chunks are still checked while copying)",
     )
+    p.add_argument(
+        "--compress",
+        choices=["zstd"],
+        help="write DST's shards compressed (format 3.0); without it a compressed source is decoded",
+    )
     p.add_argument("--threads", type=positive_int, help="parallel transfers (default TIERSAVE_IO_THREADS)")
     p.add_argument("--buffer", type=_bytes, help="memory for chunks in flight, e.g. 512MiB (default 256MiB)")
     add_json_flag(p)
@@ -82,6 +87,7 @@ def _copy(args: argparse.Namespace, out: Output) -> int:
                     io_threads=args.threads,
                     buffer_bytes=args.buffer,
                     progress=bar.update,
+                    compress=args.compress,
                 )
             except Exception as exc:
                 bar.close()
@@ -118,10 +124,11 @@ def _emit(
     for r in results:
         status = "skipped (identical)" if r.skipped else "copied, verified" if r.read_back else "copied"
         rate = "-" if r.skipped else f"{r.bytes_per_s / 1e6:.0f} MB/s"
-        rows.append([str(r.step), human_bytes(r.stored_bytes), f"{r.seconds:.2f} s", rate, status])
+        written = "-" if r.skipped else human_bytes(r.file_bytes)
+        rows.append([str(r.step), human_bytes(r.stored_bytes), written, f"{r.seconds:.2f} s", rate, status])
     lines = [f"{src} -> {dst}"]
     if rows:
-        lines.append(table(["step", "size", "time", "rate", "status"], rows))
+        lines.append(table(["step", "size", "written", "time", "rate", "status"], rows))
     if failed is not None:
         step, exc = failed
         doc["failed"] = {"step": step, "type": type(exc).__name__, "message": str(exc)}

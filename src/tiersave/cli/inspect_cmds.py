@@ -234,6 +234,17 @@ def _increment_line(m: Manifest) -> list[str]:
     ]
 
 
+def _compression_line(m: Manifest) -> list[str]:
+    """Bytes stored on this tier vs decoded, for a checkpoint with compressed shards."""
+    if not any(s.encoding is not None for s in m.shards):
+        return []
+    codecs = ", ".join(sorted({s.encoding.codec for s in m.shards if s.encoding is not None}))
+    return [
+        f"  compressed ({codecs}): {human_bytes(m.file_bytes)} stored for {human_bytes(m.stored_bytes)} decoded, "
+        f"ratio {m.stored_bytes / max(1, m.file_bytes):.3f}"
+    ]
+
+
 def _inspect(args: argparse.Namespace, out: Output) -> int:
     from ..format.tree import TreeDecoder
 
@@ -267,6 +278,8 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
         "written_bytes": m.stored_bytes - m.referenced_bytes,
         "referenced_bytes": m.referenced_bytes,
         "referenced_steps": sorted(m.referenced_steps),
+        "file_bytes": m.file_bytes,
+        "compression_ratio": round(m.stored_bytes / max(1, m.file_bytes), 4),
         "shards": [s.to_json() for s in m.shards],
         "tensors": tensors,
         "tree": tree,
@@ -277,6 +290,7 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
         f"  {len(tensors)} tensors, {human_bytes(m.total_bytes)} of data, {human_bytes(m.stored_bytes)} "
         f"in {len(m.shards)} shard(s)",
         *_increment_line(m),
+        *_compression_line(m),
         f"  tags: {', '.join(m.tags) or '-'}",
         f"  metrics: {', '.join(f'{k}={v:.6g}' for k, v in m.metrics.items()) or '-'}",
     ]

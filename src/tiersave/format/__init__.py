@@ -1,5 +1,5 @@
-"""The checkpoint format (1.x, and 2.0 with shard references): dtypes, layout rules, checksums, the
-manifest and the state-tree encoding.
+"""The checkpoint format (1.x, 2.0 with shard references, 3.0 with compressed shards): dtypes, layout
+rules, checksums, the manifest and the state-tree encoding.
 
 Scope: pure data definitions, serialization and validation (docs/format.md is the normative spec).
 Anti-scope: I/O (storage/), torch objects (state.py), scheduling of reads and writes (engine/).
@@ -14,5 +14,7 @@ HASHED_VERSION_STR = "1.2"
 """Shards carry content hashes (docs/format.md section 9), which 1.1 readers ignore."""
 REFERENCE_VERSION_STR = "2.0"
 """A shard is a reference to an earlier step's shard: 1.x readers must refuse it."""
-READ_VERSIONS = {1: 2, 2: 0}
+ENCODED_VERSION_STR = "3.0"
+"""A shard is stored compressed (docs/format.md section 10): 1.x and 2.x readers must refuse it."""
+READ_VERSIONS = {1: 2, 2: 0, 3: 0}
 """The majors this reader reads, each with the newest minor whose fields it knows."""

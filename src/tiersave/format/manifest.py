@@ -27,10 +27,18 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import CorruptCheckpointError, FormatError, UnsupportedFormatVersionError
-from . import FORMAT_NAME, FORMAT_VERSION_STR, HASHED_VERSION_STR, READ_VERSIONS, REFERENCE_VERSION_STR
+from . import (
+    ENCODED_VERSION_STR,
+    FORMAT_NAME,
+    FORMAT_VERSION_STR,
+    HASHED_VERSION_STR,
+    READ_VERSIONS,
+    REFERENCE_VERSION_STR,
+)
 from .checksum import ALGORITHM, chunk_count
 from .dtypes import DTYPES as _DTYPES
 from .dtypes import lookup
+from .encoding import Encoding, parse_encoding
 from .jsonsafe import dumps_canonical, is_finite_number, loads_strict, paused_gc
 from .layout import ALIGN, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, MAX_STEP, is_safe_file, is_valid_tag, step_dirname
 from .tree import validate_tree
@@ -62,6 +70,7 @@ _TOP_FIELDS = frozenset(
 _SHARD_FIELDS = frozenset({"file", "rank", "size"})
 _SHARD_FIELDS_1_2 = _SHARD_FIELDS | {"content"}
 _SHARD_FIELDS_2_0 = _SHARD_FIELDS_1_2 | {"step"}
+_SHARD_FIELDS_3_0 = _SHARD_FIELDS_2_0 | {"encoding"}
 MANIFEST_HASH_FIELD = "manifest_sha256"
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "shard", "offset", "nbytes", "crc32c"})
@@ -73,7 +82,8 @@ class ShardInfo:
 
     ``content`` is the shard cut into pieces, each ``(length, SHA-256 hex)`` (empty: not hashed).
     ``step`` is None for a shard in the checkpoint's own directory, else the earlier step whose directory
-    holds ``file`` (a reference, format 2.0).
+    holds ``file`` (a reference, format 2.0). ``encoding`` is None for a shard stored as its decoded bytes,
+    else how its frames are stored (format 3.0); ``size`` is always the decoded size.
     """
 
     file: str
@@ -81,6 +91,12 @@ class ShardInfo:
     size: int
     content: tuple[tuple[int, str], ...] = ()
     step: int | None = None
+    encoding: Encoding | None = None
+
+    @property
+    def stored_size(self) -> int:
+        """Bytes of the shard's file on its tier."""
+        return self.encoding.stored_size if self.encoding is not None else self.size
 
     @property
     def is_reference(self) -> bool:
@@ -96,12 +112,17 @@ class ShardInfo:
             doc["content"] = [[n, h] for n, h in self.content]
         if self.step is not None:
             doc["step"] = self.step
+        if self.encoding is not None:
+            doc["encoding"] = self.encoding.to_json()
         return doc
 
 
 def version_for(shards: tuple[ShardInfo, ...], current: str = FORMAT_VERSION_STR) -> str:
-    """The format version a manifest with these shards is written as: 2.0 with a reference, 1.2 with content
-    hashes, else ``current`` (a 1.x version; the one it was read as) or 1.1."""
+    """The format version a manifest with these shards is written as: the lowest that describes them: 3.0
+    with a compressed shard, 2.0 with a reference, 1.2 with content hashes, else ``current`` (a 1.x
+    version; the one it was read as) or 1.1."""
+    if any(s.encoding is not None for s in shards):
+        return ENCODED_VERSION_STR
     if any(s.step is not None for s in shards):
         return REFERENCE_VERSION_STR
     if any(s.content for s in shards):
@@ -159,6 +180,11 @@ class Manifest:
     def stored_bytes(self) -> int:
         """Bytes of shard files, padding included."""
         return sum(s.size for s in self.shards)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the shard files as stored on the tier: ``stored_bytes`` unless shards are compressed."""
+        return sum(s.stored_size for s in self.shards)
 
     @property
     def referenced_bytes(self) -> int:
@@ -325,7 +351,7 @@ class _Checker:
         known = READ_VERSIONS.get(major)
         if known is None:
             majors = sorted(READ_VERSIONS)
-            names = " and ".join(f"{v}.x" for v in majors)
+            names = " and ".join([", ".join(f"{v}.x" for v in majors[:-1]), f"{majors[-1]}.x"][-len(majors) :])
             raise UnsupportedFormatVersionError(
                 f"{self.path}: written with format version {version}; this tiersave ({__version__}) "
                 f"reads {names} only. " + ("Upgrade tiersave to read it." if major > majors[-1] else ""),
@@ -333,7 +359,9 @@ class _Checker:
             )
         # A newer minor version may add fields we may ignore; an older or equal one may not surprise us.
         self.strict_fields = minor <= known
-        if major >= 2:
+        if major >= 3:
+            self.shard_fields = _SHARD_FIELDS_3_0
+        elif major == 2:
             self.shard_fields = _SHARD_FIELDS_2_0
         elif minor >= 2:
             self.shard_fields = _SHARD_FIELDS_1_2
@@ -366,7 +394,7 @@ class _Checker:
 
         if not isinstance(doc["shards"], list):
             raise self.fail("shards must be an array")
-        shards = [self.shard(i, raw, world_size, step) for i, raw in enumerate(doc["shards"])]
+        shards = [self.shard(i, raw, world_size, step, chunk_bytes) for i, raw in enumerate(doc["shards"])]
 
         if not isinstance(doc["tensors"], dict):
             raise self.fail("tensors must be an object")
@@ -405,7 +433,7 @@ class _Checker:
         self.check_manifest(manifest)
         return manifest
 
-    def shard(self, i: int, raw: Any, world_size: int, step: int) -> ShardInfo:
+    def shard(self, i: int, raw: Any, world_size: int, step: int, chunk_bytes: int) -> ShardInfo:
         s = self.fields(raw, self.shard_fields, _SHARD_FIELDS, f"shards[{i}]")
         file = s["file"]
         if not isinstance(file, str) or not is_safe_file(file):
@@ -422,7 +450,10 @@ class _Checker:
                 raise self.fail(f"shards[{i}].step must name an earlier step than {step}")
             if not content:
                 raise self.fail(f"shards[{i}] is a reference to step {ref} without content hashes")
-        return ShardInfo(file, rank, size, content, ref)
+        encoding = None
+        if "encoding" in s and "encoding" in self.shard_fields:
+            encoding = parse_encoding(s["encoding"], size, chunk_bytes, f"shards[{i}].encoding", self.fail)
+        return ShardInfo(file, rank, size, content, ref, encoding)
 
     def content(self, raw: Any, size: int, what: str) -> tuple[tuple[int, str], ...]:
         if not isinstance(raw, list):
