@@ -79,8 +79,10 @@ def watch(
         if after is not None:
             raise ConfigError("watch(tag=...) follows the tag wherever it moves; it takes no after=")
         check_name(tag)
-        return _follow_tag(catalog, tag, include_existing, poll_s, timeout_s, _Waiter(storage, sleep, tags=True))
-    return _follow_commits(catalog, after, include_existing, poll_s, timeout_s, _Waiter(storage, sleep, tags=False))
+        wait = _Waiter(storage, sleep, tags=True)
+        return _closing(_tag_moves(catalog, tag, include_existing, poll_s, timeout_s, wait), wait)
+    wait = _Waiter(storage, sleep, tags=False)
+    return _closing(_commits(catalog, after, include_existing, poll_s, timeout_s, wait), wait)
 
 
 class _Waiter:
@@ -110,16 +112,10 @@ class _Waiter:
             self._notifier.close()
 
 
-def _follow_commits(
-    catalog: Catalog,
-    after: int | None,
-    include_existing: bool,
-    poll_s: float,
-    timeout_s: float | None,
-    wait: _Waiter,
-) -> Iterator[CheckpointInfo]:
+def _closing(items: Iterator[CheckpointInfo], wait: _Waiter) -> Iterator[CheckpointInfo]:
+    """``items``, then the waiter's descriptor closed (the iteration ended, or the caller closed the feed)."""
     try:
-        yield from _commits(catalog, after, include_existing, poll_s, timeout_s, wait)
+        yield from items
     finally:
         wait.close()
 
@@ -150,20 +146,6 @@ def _commits(
         if timeout_s is not None and time.monotonic() - waited_since >= timeout_s:
             return
         wait(poll_s)
-
-
-def _follow_tag(
-    catalog: Catalog,
-    name: str,
-    include_existing: bool,
-    poll_s: float,
-    timeout_s: float | None,
-    wait: _Waiter,
-) -> Iterator[CheckpointInfo]:
-    try:
-        yield from _tag_moves(catalog, name, include_existing, poll_s, timeout_s, wait)
-    finally:
-        wait.close()
 
 
 def _tag_moves(
