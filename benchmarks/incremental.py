@@ -12,7 +12,7 @@ or ``drop_caches`` as root).
 Usage::
 
     .venv/bin/python benchmarks/incremental.py --base-mb 1024 --adapter-mb 24 --saves 4 --reps 3 \
-        --dir /work/scratch --json benchmarks/results/incremental.json
+        --dir DIR --json benchmarks/results/incremental.json
 """
 
 from __future__ import annotations
