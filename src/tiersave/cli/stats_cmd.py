@@ -48,7 +48,42 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         out["blocked_s_max"] = blocked[-1]
         out["total_s_mean"] = sum(float(e.get("total_s", 0.0)) for e in committed) / len(committed)
         out["bytes_mean"] = sum(int(e.get("stored_bytes", 0)) for e in committed) / len(committed)
+    incremental = [e for e in committed if "referenced_bytes" in e]
+    if incremental:  # what incremental saves did not write again
+        out["incremental"] = {
+            "saves": len(incremental),
+            "bytes": sum(int(e.get("stored_bytes", 0)) for e in incremental),
+            "referenced_bytes": sum(int(e["referenced_bytes"]) for e in incremental),
+        }
+    drains: dict[str, dict[str, int]] = {}
+    for e in events:
+        if e.get("outcome") == "drained" and "file_bytes" in e:  # what each tier's drains stored (compressed)
+            tier = drains.setdefault(str(e.get("tier", "?")), {"drains": 0, "bytes": 0, "file_bytes": 0})
+            tier["drains"] += 1
+            tier["bytes"] += int(e.get("stored_bytes", 0))
+            tier["file_bytes"] += int(e["file_bytes"])
+    if drains:
+        out["drains"] = drains
     return out
+
+
+def _savings(summary: dict[str, Any]) -> str:
+    """The bytes a run did not write: referenced by incremental saves, and shrunk by compressed drains."""
+    lines = []
+    inc = summary.get("incremental")
+    if inc and inc["bytes"]:
+        ref = inc["referenced_bytes"]
+        lines.append(
+            f"incremental: {inc['saves']} saves wrote {human_bytes(inc['bytes'] - ref)} of {human_bytes(inc['bytes'])} "
+            f"({100 * ref / inc['bytes']:.0f}% referenced, not written again)"
+        )
+    for name, tier in summary.get("drains", {}).items():
+        if tier["file_bytes"]:
+            lines.append(
+                f"tier {name}: {tier['drains']} drains stored {human_bytes(tier['file_bytes'])} for "
+                f"{human_bytes(tier['bytes'])} of checkpoint ({tier['bytes'] / tier['file_bytes']:.2f}x)"
+            )
+    return "".join(f"\n{line}" for line in lines)
 
 
 def _stats(args: argparse.Namespace, out: Output) -> int:
@@ -86,6 +121,7 @@ def _stats(args: argparse.Namespace, out: Output) -> int:
             f"blocked mean {_ms(summary['blocked_s_mean'])} ms, p50 {_ms(summary['blocked_s_p50'])} ms, "
             f"max {_ms(summary['blocked_s_max'])} ms"
         )
+    text += _savings(summary)
     for e in shown:
         if e.get("outcome") == "failed":
             text += f"\nstep {e.get('step')} failed: {e.get('error', '')}"
