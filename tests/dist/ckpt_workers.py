@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,15 +132,17 @@ def world_restore(rank: int, world: int, rec: dict[str, Any]) -> None:
 SCENARIOS = {f.__name__: f for f in (save_restore, rank_fails, rank_dies, save_loop, restore_check, world_restore)}
 
 
-def main() -> None:
-    scenario = SCENARIOS[sys.argv[1]]
+def run_rank(scenario: Callable[[int, int, dict[str, Any]], None]) -> None:
+    """One rank of a test job: join the gloo group, play ``scenario``, and write what it saw (or how it crashed)
+    to ``$TIERSAVE_DIST_OUT/rank<R>.json`` atomically, even when it raised. Shared by every worker module."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rec: dict[str, Any] = {"rank": rank}
+    start = time.monotonic()
     try:
         scenario(rank, world, rec)
     except BaseException as exc:
-        rec["crash"] = error_record(exc, time.monotonic())
+        rec["crash"] = error_record(exc, start)
         raise
     finally:
         out = Path(os.environ["TIERSAVE_DIST_OUT"]) / f"rank{rank}.json"
@@ -149,6 +152,10 @@ def main() -> None:
     if rec.get("exit_now"):
         os._exit(0)
     dist.destroy_process_group()
+
+
+def main() -> None:
+    run_rank(SCENARIOS[sys.argv[1]])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ module."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -18,6 +17,9 @@ import tiersave
 from tiersave.errors import TiersaveError, WriterLockedError
 from tiersave.storage.lock import LOCK_NAME, LockHolder
 from tiersave.storage.posix import LocalStorage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ckpt_workers import run_rank
 
 ROOT = Path(os.environ.get("TIERSAVE_TEST_ROOT", "/nonexistent"))
 
@@ -62,18 +64,7 @@ def refused(rank: int, world: int, rec: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rec: dict[str, Any] = {"rank": rank}
-    try:
-        {"rank0_holds": rank0_holds, "refused": refused}[sys.argv[1]](rank, world, rec)
-    except BaseException as exc:
-        rec["crash"] = f"{type(exc).__name__}: {exc}"
-        raise
-    finally:
-        out = Path(os.environ["TIERSAVE_DIST_OUT"]) / f"rank{rank}.json"
-        out.write_text(json.dumps(rec))
-    dist.destroy_process_group()
+    run_rank({"rank0_holds": rank0_holds, "refused": refused}[sys.argv[1]])
 
 
 if __name__ == "__main__":

@@ -4,17 +4,17 @@ collective ``tiersave.Checkpointer`` in real processes (gloo on 127.0.0.1). Each
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import tiersave
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ckpt_workers import run_rank
 
 TIMEOUT_S = float(os.environ.get("TIERSAVE_DIST_TIMEOUT", "10"))
 ROOT = Path(os.environ.get("TIERSAVE_TEST_ROOT", "/nonexistent"))
@@ -55,21 +55,7 @@ def partial(rank: int, world: int, rec: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rec: dict[str, Any] = {"rank": rank}
-    start = time.monotonic()
-    try:
-        {"partial": partial}[sys.argv[1]](rank, world, rec)
-    except BaseException as exc:
-        rec["crash"] = {"type": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - start}
-        raise
-    finally:
-        out = Path(os.environ["TIERSAVE_DIST_OUT"]) / f"rank{rank}.json"
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rec))
-        tmp.rename(out)
-        dist.destroy_process_group()
+    run_rank({"partial": partial}[sys.argv[1]])
 
 
 if __name__ == "__main__":

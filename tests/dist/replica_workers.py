@@ -4,18 +4,18 @@ SCENARIO and writes what it saw to ``$TIERSAVE_DIST_OUT/rank<R>.json``. Not a te
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import tiersave
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ckpt_workers import run_rank
 
 TIMEOUT_S = float(os.environ.get("TIERSAVE_DIST_TIMEOUT", "20"))
 ROOT = Path(os.environ.get("TIERSAVE_TEST_ROOT", "/nonexistent"))
@@ -96,22 +96,7 @@ SCENARIOS = {f.__name__: f for f in (save, restore, save_replicated)}
 
 
 def main() -> None:
-    scenario = SCENARIOS[sys.argv[1]]
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    rec: dict[str, Any] = {"rank": rank}
-    start = time.monotonic()
-    try:
-        scenario(rank, rec)
-    except BaseException as exc:
-        rec["crash"] = {"type": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - start}
-        raise
-    finally:
-        out = Path(os.environ["TIERSAVE_DIST_OUT"]) / f"rank{rank}.json"
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rec))
-        os.replace(tmp, out)
-    dist.destroy_process_group()
+    run_rank(lambda rank, world, rec: SCENARIOS[sys.argv[1]](rank, rec))
 
 
 if __name__ == "__main__":
