@@ -286,9 +286,8 @@ class Saver:
         stats.num_tensors = len(tensors)
         stats.blocked_s = time.perf_counter() - started
         stats.extra["io_before"] = io_before
-        pending = PendingSave(handle, request, job, prefix, flat.tree, started, started_wall, selection)
-        pending.base = base.step if base is not None else None
-        return pending
+        base_step = base.step if base is not None else None
+        return PendingSave(handle, request, job, prefix, flat.tree, started, started_wall, selection, base_step)
 
     def _select(self, state: Any, flat: FlatState, keys: tuple[str, ...]) -> tuple[Selection | None, list[FlatTensor]]:
         """The replicated part of a collective save, and the tensors this rank writes: its own and the
