@@ -12,7 +12,6 @@ writes), :func:`dir_notifier` returns None and the caller polls.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import select
 from collections.abc import Iterable
@@ -28,11 +27,9 @@ _MASK = _IN_CREATE | _IN_DELETE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CLOSE_WRIT
 
 
 def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    """The process's own C library symbols (as files.py reaches renameat2), with inotify's two calls typed."""
     try:
-        libc = ctypes.CDLL(name, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)
         libc.inotify_init1.argtypes = [ctypes.c_int]
         libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
     except (OSError, AttributeError):
@@ -79,7 +76,7 @@ def dir_notifier(directories: Iterable[Path]) -> DirNotifier | None:
     """A notifier on ``directories`` (those that exist); None where inotify is unavailable or none could be
     watched."""
     libc = _libc()
-    if libc is None or not hasattr(libc, "inotify_init1"):
+    if libc is None:
         return None
     fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
     if fd < 0:
