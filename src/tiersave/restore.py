@@ -137,11 +137,13 @@ def restore_from(
                 source = tier.storage.uri
                 chain.protection.hold(tier.index, candidate)  # our own retention must not delete what we read
                 try:
-                    source = replication.peer_source(replicas, tier, candidate)
-                    with tier.catalog.open(candidate) as ckpt:
+
+                    def read(ckpt: OpenCheckpoint) -> tuple[Restore, tuple[Any, int, int]]:
                         ckpt.manifest = rank_view(ckpt.manifest, rank, world_size)
                         job = Restore(ckpt, into, strict, selection)
-                        result, nbytes, in_place = job.run(pool)
+                        return job, job.run(pool)
+
+                    (job, (result, nbytes, in_place)), source = replication.read_copy(replicas, tier, candidate, read)
                 except (FormatError, CheckpointNotFoundError, StorageError) as exc:  # this copy is unusable
                     error = exc
                 except TiersaveError as exc:  # not a matter of this copy: every rank stops here
