@@ -104,7 +104,7 @@ def _replacement(shm: Path) -> Any:
     return MemoryStorage("run")
 
 
-def peer_restore_gbps(shm: Path, step: int, nbytes: int, token: str) -> float:
+def peer_restore_gbps(shm: Path, step: int, nbytes: int, token: str, into: Any = None) -> float:
     """A replacement node's restore as ``Checkpointer.restore`` does it after node loss: this rank's part
     streamed from the peer's replica server straight into new tensors (every chunk checked once, on arrival;
     one connection per chunk, the restore's reader threads in parallel). The node's memory copy is pulled
@@ -122,14 +122,14 @@ def peer_restore_gbps(shm: Path, step: int, nbytes: int, token: str) -> float:
         with ThreadPoolExecutor(knobs.io_threads()) as pool:
             clients = [PeerClient(server.address, token, 60)]
             start = time.perf_counter()
-            read_from_holders(clients, "own", step, local, lambda c: Restore(c, None, True).run(pool))
+            read_from_holders(clients, "own", step, local, lambda c: Restore(c, into, True).run(pool))
             seconds = time.perf_counter() - start
     finally:
         server.close()
     return nbytes / seconds / 1e9
 
 
-def pull_restore_gbps(shm: Path, step: int, nbytes: int, token: str) -> float:
+def pull_restore_gbps(shm: Path, step: int, nbytes: int, token: str, into: Any = None) -> float:
     """The earlier way, for comparison: pull the part into memory (``replica.fetch_part``: CRC of every chunk,
     one shard at a time), then restore from memory (CRC again)."""
     import tiersave
@@ -141,21 +141,21 @@ def pull_restore_gbps(shm: Path, step: int, nbytes: int, token: str) -> float:
         with tiersave.Checkpointer(tiers=[tiersave.Tier("mem://run")], event_log=False) as ckpt:
             start = time.perf_counter()
             fetch_part(PeerClient(server.address, token, 60), "own", local, step, {0})
-            ckpt.restore(step)
+            ckpt.restore(step, into=into)
             seconds = time.perf_counter() - start
     finally:
         server.close()
     return nbytes / seconds / 1e9
 
 
-def disk_restore_gbps(disk: Path, step: int, nbytes: int) -> tuple[float, str]:
+def disk_restore_gbps(disk: Path, step: int, nbytes: int, into: Any = None) -> tuple[float, str]:
     import tiersave
     from tiersave.bench.device import evict
 
     how = evict([disk])
     with tiersave.Checkpointer(disk, event_log=False) as ckpt:
         start = time.perf_counter()
-        ckpt.restore(step)
+        ckpt.restore(step, into=into)
         seconds = time.perf_counter() - start
     return nbytes / seconds / 1e9, how
 
@@ -177,6 +177,9 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
             ckpt.save(1, state_of(nbytes))
             stored = ckpt.list()[-1].stored_bytes
         copy_checkpoint(open_storage("mem://run"), open_storage(str(disk)), 1)
+        # --into: restore into a live state (its pages touched already, as a model built before its restore),
+        # else into new tensors (whose pages fault in on first touch, the same for every source)
+        live = state_of(nbytes) if args.into else None
         runs: dict[str, list[float]] = {"socket": [], "peer": [], "pull": [], "disk": []}
         how = ""
         order = list(runs)
@@ -185,16 +188,17 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
                 if name == "socket":
                     runs[name].append(socket_gbps(stored))
                 elif name == "peer":
-                    runs[name].append(peer_restore_gbps(shm, 1, stored, "bench-token"))
+                    runs[name].append(peer_restore_gbps(shm, 1, stored, "bench-token", live))
                 elif name == "pull":
-                    runs[name].append(pull_restore_gbps(shm, 1, stored, "bench-token"))
+                    runs[name].append(pull_restore_gbps(shm, 1, stored, "bench-token", live))
                 else:
-                    gbps, how = disk_restore_gbps(disk, 1, stored)
+                    gbps, how = disk_restore_gbps(disk, 1, stored, live)
                     runs[name].append(gbps)
         med = {k: statistics.median(v) for k, v in runs.items()}
         return {
             "bytes": stored,
             "reps": args.reps,
+            "destination": "live state" if args.into else "new tensors",
             "eviction": how,
             "gbps": {k: round(v, 3) for k, v in med.items()},
             "all_gbps": {k: [round(x, 3) for x in v] for k, v in runs.items()},
@@ -287,6 +291,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--disk", default="/var/tmp/tiersave-peer-bench")
     parser.add_argument("--blocked", action="store_true")
+    parser.add_argument("--into", action="store_true", help="restore into a live state instead of new tensors")
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--json")
     parser.add_argument("--rank-worker", help=argparse.SUPPRESS)

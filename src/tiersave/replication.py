@@ -280,37 +280,57 @@ class Replicas:
 
     # -- restore ----------------------------------------------------------------------------------
 
-    def restorable(self, step: int | None) -> set[int] | None:
+    def restorable(self, step: int | None, tag: str | None = None) -> tuple[int | None, set[int]] | None:
         """Collective (every rank, in order): on rank 0, the steps every node can restore from memory, from its
-        own copy or a peer's replica (``step``: that one only); None on the other ranks. So that a job whose
-        rank 0 is on the replacement node still restores from memory."""
-        held: dict[str, Any] = {}
+        own copy or a peer's replica (``step``: that one only; ``tag``: those whose manifest carries it, or
+        the one a movable tag names on any node); None on the other ranks. So that a job whose rank 0 is on
+        the replacement node (its memory, and its movable tags, lost) still restores from memory.
+
+        Returns:
+            On rank 0: the step the movable tag ``tag`` names (the newest record among the nodes'; None if
+            no node has one), and the usable steps.
+        """
+        spaces: dict[str, Catalog] = {"own": self.tier.catalog}
         if self.leader:
             for node in self.layout.ranks:
-                if node == self.node:
-                    continue
-                try:
-                    held[str(node)] = Catalog(
-                        MemoryStorage(f"replicas/{self.storage.name}/node-{node}", create=False)
-                    ).steps()
-                except TiersaveError:
-                    continue
-        own: Any = self.tier.catalog.steps()
-        rows = self.group.gather_json({"node": self.node, "own": own, "held": held})
+                if node != self.node:
+                    with contextlib.suppress(TiersaveError):
+                        ns = MemoryStorage(f"replicas/{self.storage.name}/node-{node}", create=False)
+                        spaces[str(node)] = Catalog(ns)
+        row: dict[str, Any] = {"node": self.node, "moved": _movable(self.tier.catalog, tag)}
+        held: dict[str, Any] = {}
+        for key, catalog in spaces.items():
+            try:
+                steps = catalog.steps()
+            except TiersaveError:
+                continue
+            held[key] = [steps, _tagged(catalog, steps, tag)]
+        row["held"] = held
+        rows = self.group.gather_json(row)
         if rows is None:
             return None
         have: dict[int, set[int]] = {n: set() for n in self.layout.ranks}
-        for row in rows:
-            if not isinstance(row, dict):
+        tagged: set[int] = set()
+        moved: tuple[float, int] | None = None
+        for got in rows:
+            sender = got.get("node") if isinstance(got, dict) else None
+            if not isinstance(got, dict) or not isinstance(sender, int):
                 continue
-            sender, steps_own, theirs = row.get("node"), row.get("own"), row.get("held")
-            if isinstance(sender, int) and sender in have and isinstance(steps_own, list):
-                have[sender].update(s for s in steps_own if isinstance(s, int))
-            for key, steps in theirs.items() if isinstance(theirs, dict) else ():
-                if key.isdigit() and int(key) in have and isinstance(steps, list):
-                    have[int(key)].update(s for s in steps if isinstance(s, int))
+            mark: Any = got.get("moved")
+            if _tag_mark(mark) and (moved is None or (mark[0], mark[1]) > moved):  # the newest record wins
+                moved = (float(mark[0]), mark[1])
+            spaces_got: Any = got.get("held")
+            for key, pair in spaces_got.items() if isinstance(spaces_got, dict) else ():
+                node = sender if key == "own" else int(key) if key.isdigit() else -1
+                if node in have and isinstance(pair, list) and len(pair) == 2:
+                    have[node].update(_ints(pair[0]))
+                    tagged.update(_ints(pair[1]))
         usable = set.intersection(*have.values())
-        return usable if step is None else usable & {step}
+        if moved is not None:
+            usable &= {moved[1]}
+        elif tag is not None:
+            usable &= tagged
+        return (moved[1] if moved is not None else None), usable if step is None else usable & {step}
 
     def read(self, step: int, read: Callable[[OpenCheckpoint], T]) -> tuple[T, int]:
         """Run ``read`` (the restore) over this rank's part of ``step`` streamed from the first holder of this
@@ -352,6 +372,36 @@ class Replicas:
                 f"step {step} was restored from node {client.peer.node}'s replica, but node {self.node}'s memory "
                 f"copy of it could not be rebuilt: {exc}; the next save fills {self.storage.uri} again"
             )
+
+
+def _tag_mark(mark: Any) -> bool:
+    """Whether ``mark`` is a ``[time, step]`` pair (a node's movable tag, as exchanged)."""
+    return isinstance(mark, list) and len(mark) == 2 and isinstance(mark[0], (int, float)) and isinstance(mark[1], int)
+
+
+def _ints(value: Any) -> list[int]:
+    return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
+
+
+def _movable(catalog: Catalog, tag: str | None) -> list[float | int] | None:
+    """``[time, step]`` of the movable tag ``tag`` in ``catalog`` (None: none, or its step is gone)."""
+    if tag is None:
+        return None
+    try:
+        moved = catalog.tags.resolve(tag)
+    except TiersaveError:
+        return None
+    return None if moved is None else [moved.time, moved.step]
+
+
+def _tagged(catalog: Catalog, steps: list[int], tag: str | None) -> list[int]:
+    """The ``steps`` whose manifest in ``catalog`` carries ``tag`` (none without a tag)."""
+    out = []
+    for s in steps if tag is not None else ():
+        with contextlib.suppress(TiersaveError):
+            if tag in catalog.manifest(s).tags:
+                out.append(s)
+    return out
 
 
 def read_copy(

@@ -95,6 +95,18 @@ def test_lost_node_restores_bit_exact_from_the_peer_replica(launch, tmp_path, lo
     assert steps(nodes.memory(lost)) == [3]  # the pulled part is in the replacement's memory now
 
 
+@pytest.mark.parametrize("tag", ["best", "serving"])  # a manifest tag; a movable tag (lost with node 0's memory)
+def test_tag_restore_after_the_loss_of_rank_0s_node_reads_the_replica(launch, tmp_path, tag):
+    nodes = Nodes(tmp_path, 2)
+    run(launch, nodes, "save")
+    nodes.lose(0)  # rank 0's memory (and its movable tag files) is gone: the other node still knows the tag
+    job = run(launch, nodes, "restore", TIERSAVE_TEST_TAG=tag)
+    for r in range(2):
+        rec = job.rank(r)
+        assert rec["step"] == 2 and rec["consistent"] and rec["tier"] == "memory", rec
+    assert "pulled from node 1" in job.rank(0)["source"] and "pulled" not in job.rank(1)["source"]
+
+
 def test_replica_also_lost_falls_back_to_the_durable_copy_with_the_reason(launch, tmp_path):
     nodes = Nodes(tmp_path, 2)
     run(launch, nodes, "save")
