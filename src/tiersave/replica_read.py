@@ -41,7 +41,6 @@ T = TypeVar("T")
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and the pages fault in one by one
 _PREFAULT_MIN = 1 << 20
-_PREFAULT = True
 
 
 @functools.cache
@@ -60,7 +59,7 @@ def _prefault(view: memoryview) -> None:
     tensors otherwise takes one page fault per 4 KiB inside ``recv_into``, which was measured to cost more
     than the copy itself. An optimisation only: if the kernel refuses, the pages fault in as usual."""
     madvise = _madvise()
-    if madvise is None or len(view) < _PREFAULT_MIN or not _PREFAULT:
+    if madvise is None or len(view) < _PREFAULT_MIN:
         return
     page = os.sysconf("SC_PAGE_SIZE")
     start = address_of(view)
