@@ -105,3 +105,12 @@ def test_a_range_outside_the_file_is_refused(holders):
     size = servers[0]._namespace("own").head(key).size
     with pytest.raises(PeerError, match="not within"):
         PeerClient(servers[0].address, "tok", 5).read_range("own", key, size, size - 10, memoryview(bytearray(20)))
+
+
+def test_a_truncated_shard_on_one_holder_fails_it_and_the_next_one_is_used(holders):
+    servers, tmp, state = holders
+    shard = next((tmp / "holder0").glob("run/step-*/shard-*.bin"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 4096)
+    got, node, _ = _restore(servers)
+    assert node == 1 and all(torch.equal(got[k], v) for k, v in state.items())
