@@ -5,10 +5,12 @@ One run, interleaved repetitions (order rotated each repetition), median of ``--
 
 - socket: raw loopback TCP, one connection, ``sendall`` of the state's bytes from a thread into ``recv_into``
   (the limit any transport over loopback has);
-- peer: a lost node's restore from a peer: ``replica.fetch_part`` from a ``ReplicaServer`` (a thread serving
-  the "peer's" memory directory) into the replacement's empty memory directory (CRC-32C of every chunk on
-  arrival, rename commit), then the restore from that memory (verified again), as ``Checkpointer.restore``
-  does after node loss;
+- peer: a lost node's restore from a peer, as ``Checkpointer.restore`` does it: the part streamed from a
+  ``ReplicaServer`` (a thread serving the "peer's" memory directory with ``sendfile``) straight into new
+  tensors, every chunk checked once on arrival, several chunks at once over parallel connections (the
+  replacement's memory copy, pulled afterwards in the background, is not timed);
+- pull: the earlier way, for comparison: ``replica.fetch_part`` into the replacement's memory, then the
+  restore from that memory (two passes, two CRCs);
 - disk: ``Checkpointer.restore`` of the same checkpoint from a local-disk root whose pages were evicted first
   (``echo 3 > /proc/sys/vm/drop_caches`` when root, else ``POSIX_FADV_DONTNEED`` on every file).
 
@@ -84,37 +86,76 @@ def socket_gbps(nbytes: int) -> float:
     return got / seconds / 1e9
 
 
-def peer_restore_gbps(shm: Path, step: int, nbytes: int, token: str) -> float:
-    """A replacement node's restore: pull the part from a peer's replica server, then restore from memory."""
-    import tiersave
-    from tiersave.replica import PeerClient, ReplicaServer, fetch_part
+def _serve(shm: Path, token: str) -> Any:
+    from tiersave.replica import ReplicaServer
     from tiersave.storage.memory import MemoryStorage
 
     os.environ["TIERSAVE_SHM_DIR"] = str(shm / "peer")
     served = MemoryStorage("run")
-    server = ReplicaServer("127.0.0.1", token, 60, lambda ns: served, lambda n, s: None, node=0)
+    return ReplicaServer("127.0.0.1", token, 60, lambda ns: served, lambda n, s: None, node=0)
+
+
+def _replacement(shm: Path) -> Any:
+    from tiersave.storage.memory import MemoryStorage
+
     replacement = shm / "replacement"
     shutil.rmtree(replacement, ignore_errors=True)
     os.environ["TIERSAVE_SHM_DIR"] = str(replacement)
+    return MemoryStorage("run")
+
+
+def peer_restore_gbps(shm: Path, step: int, nbytes: int, token: str, into: Any = None) -> float:
+    """A replacement node's restore as ``Checkpointer.restore`` does it after node loss: this rank's part
+    streamed from the peer's replica server straight into new tensors (every chunk checked once, on arrival;
+    one connection per chunk, the restore's reader threads in parallel). The node's memory copy is pulled
+    afterwards in the background and is not timed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tiersave import knobs
+    from tiersave.replica import PeerClient
+    from tiersave.replica_read import read_from_holders
+    from tiersave.restore import Restore
+
+    server = _serve(shm, token)
+    local = _replacement(shm)
     try:
-        with tiersave.Checkpointer(tiers=[tiersave.Tier("mem://run")], event_log=False) as ckpt:
+        with ThreadPoolExecutor(knobs.io_threads()) as pool:
+            clients = [PeerClient(server.address, token, 60)]
             start = time.perf_counter()
-            fetch_part(PeerClient(server.address, token, 60), "own", MemoryStorage("run"), step, {0})
-            ckpt.restore(step)
+            read_from_holders(clients, "own", step, local, lambda c: Restore(c, into, True).run(pool))
             seconds = time.perf_counter() - start
     finally:
         server.close()
     return nbytes / seconds / 1e9
 
 
-def disk_restore_gbps(disk: Path, step: int, nbytes: int) -> tuple[float, str]:
+def pull_restore_gbps(shm: Path, step: int, nbytes: int, token: str, into: Any = None) -> float:
+    """The earlier way, for comparison: pull the part into memory (``replica.fetch_part``: CRC of every chunk,
+    one shard at a time), then restore from memory (CRC again)."""
+    import tiersave
+    from tiersave.replica import PeerClient, fetch_part
+
+    server = _serve(shm, token)
+    local = _replacement(shm)
+    try:
+        with tiersave.Checkpointer(tiers=[tiersave.Tier("mem://run")], event_log=False) as ckpt:
+            start = time.perf_counter()
+            fetch_part(PeerClient(server.address, token, 60), "own", local, step, {0})
+            ckpt.restore(step, into=into)
+            seconds = time.perf_counter() - start
+    finally:
+        server.close()
+    return nbytes / seconds / 1e9
+
+
+def disk_restore_gbps(disk: Path, step: int, nbytes: int, into: Any = None) -> tuple[float, str]:
     import tiersave
     from tiersave.bench.device import evict
 
     how = evict([disk])
     with tiersave.Checkpointer(disk, event_log=False) as ckpt:
         start = time.perf_counter()
-        ckpt.restore(step)
+        ckpt.restore(step, into=into)
         seconds = time.perf_counter() - start
     return nbytes / seconds / 1e9, how
 
@@ -136,27 +177,35 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
             ckpt.save(1, state_of(nbytes))
             stored = ckpt.list()[-1].stored_bytes
         copy_checkpoint(open_storage("mem://run"), open_storage(str(disk)), 1)
-        runs: dict[str, list[float]] = {"socket": [], "peer": [], "disk": []}
+        # --into: restore into a live state (its pages touched already, as a model built before its restore),
+        # else into new tensors (whose pages fault in on first touch, the same for every source)
+        live = state_of(nbytes) if args.into else None
+        runs: dict[str, list[float]] = {"socket": [], "peer": [], "pull": [], "disk": []}
         how = ""
-        order = ["socket", "peer", "disk"]
+        order = list(runs)
         for rep in range(args.reps):
-            for name in order[rep % 3 :] + order[: rep % 3]:
+            for name in order[rep % len(order) :] + order[: rep % len(order)]:
                 if name == "socket":
                     runs[name].append(socket_gbps(stored))
                 elif name == "peer":
-                    runs[name].append(peer_restore_gbps(shm, 1, stored, "bench-token"))
+                    runs[name].append(peer_restore_gbps(shm, 1, stored, "bench-token", live))
+                elif name == "pull":
+                    runs[name].append(pull_restore_gbps(shm, 1, stored, "bench-token", live))
                 else:
-                    gbps, how = disk_restore_gbps(disk, 1, stored)
+                    gbps, how = disk_restore_gbps(disk, 1, stored, live)
                     runs[name].append(gbps)
         med = {k: statistics.median(v) for k, v in runs.items()}
         return {
             "bytes": stored,
             "reps": args.reps,
+            "destination": "live state" if args.into else "new tensors",
             "eviction": how,
             "gbps": {k: round(v, 3) for k, v in med.items()},
             "all_gbps": {k: [round(x, 3) for x in v] for k, v in runs.items()},
             "peer_over_disk": round(med["peer"] / med["disk"], 2),
             "peer_over_socket": round(med["peer"] / med["socket"], 2),
+            "peer_over_pull": round(med["peer"] / med["pull"], 2),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
         }
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -242,6 +291,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--disk", default="/var/tmp/tiersave-peer-bench")
     parser.add_argument("--blocked", action="store_true")
+    parser.add_argument("--into", action="store_true", help="restore into a live state instead of new tensors")
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--json")
     parser.add_argument("--rank-worker", help=argparse.SUPPRESS)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import selectors
 import socket
 import struct
 import threading
@@ -110,6 +112,24 @@ class PeerAddress:
         return f"node {self.node} ({self.host}:{self.port})"
 
 
+def _send_file(conn: socket.socket, fd: int, offset: int, length: int, timeout_s: float, what: str) -> None:
+    """Send ``length`` bytes of file ``fd`` from ``offset`` with ``sendfile``: the kernel copies page cache to
+    the socket, with no read into a buffer of ours. Each wait for room in the socket is bounded."""
+    end = offset + length
+    with selectors.PollSelector() as selector:
+        selector.register(conn, selectors.EVENT_WRITE)
+        while offset < end:
+            if not selector.select(timeout_s):
+                raise PeerError(f"{what}: the receiver took nothing for {timeout_s:g} s")
+            try:
+                sent = os.sendfile(conn.fileno(), fd, offset, end - offset)
+            except BlockingIOError:
+                continue
+            if sent == 0:
+                raise CorruptCheckpointError(f"{what}: the file ends at byte {offset}, before {end}")
+            offset += sent
+
+
 class PeerClient:
     """Requests to one peer node's :class:`ReplicaServer`. One TCP connection per request; thread-safe.
 
@@ -160,6 +180,18 @@ class PeerClient:
             out = bytearray(size)
             _recv_exact(sock, memoryview(out), f"get {key} from {self.peer}")
         return bytes(out)
+
+    def read_range(self, ns: str, key: str, size: int, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of file ``key`` (``size`` bytes on the peer) at ``offset``, received
+        straight into ``out`` (no intermediate buffer): one connection per call, so calls from several threads
+        run as parallel connections."""
+        what = f"bytes {offset}..{offset + len(out)} of {key} from {self.peer}"
+        doc = {"op": "stream", "ns": ns, "key": key, "size": size, "offset": offset, "length": len(out)}
+        with self._request(doc) as (sock, _):
+            try:
+                _recv_exact(sock, out, what)
+            except TimeoutError:
+                raise PeerError(f"{what}: stalled for {self.timeout_s:g} s") from None
 
     @contextlib.contextmanager
     def stream(self, ns: str, key: str, size: int) -> Iterator[Callable[[memoryview], None]]:
@@ -385,18 +417,25 @@ class ReplicaServer:
 
     def _stream(self, conn: socket.socket, doc: dict[str, Any]) -> None:
         key, size = doc.get("key"), doc.get("size")
+        offset, length = doc.get("offset", 0), doc.get("length", size)
         if not isinstance(key, str) or not isinstance(size, int) or size < 0:
             raise ConfigError("stream needs a key and a size")
+        if not isinstance(offset, int) or not isinstance(length, int) or not 0 <= offset <= offset + length <= size:
+            raise ConfigError(f"stream: the range {offset!r}+{length!r} is not within the {size} bytes of {key}")
         check_key(key)
         reader = self._storage(doc).open_reader(key)
         try:
             if reader.size != size:
                 raise CorruptCheckpointError(f"{key} is {reader.size} bytes on node {self.node}, not {size}")
-            _send_doc(conn, {"ok": True, "nbytes": size})
-            block = memoryview(bytearray(min(_BLOCK, max(size, 1))))
-            for offset in range(0, size, len(block)):
-                view = block[: min(len(block), size - offset)]
-                reader.read_into(offset, view)
+            _send_doc(conn, {"ok": True, "nbytes": length})
+            fileno = getattr(reader, "fileno", None)
+            if callable(fileno) and length:  # a file: the kernel copies page cache -> socket (no read, no buffer)
+                _send_file(conn, int(fileno()), offset, length, self.timeout_s, f"{key} on node {self.node}")
+                return
+            block = memoryview(bytearray(min(_BLOCK, max(length, 1))))
+            for at in range(offset, offset + length, len(block)):
+                view = block[: min(len(block), offset + length - at)]
+                reader.read_into(at, view)
                 conn.sendall(view)
         finally:
             reader.close()

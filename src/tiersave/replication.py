@@ -13,12 +13,13 @@ other nodes, so the replacement of a lost node restores from a peer's RAM instea
   of its own, so the training loop never waits for it. ``handle.tier_result("<tier>.replica")`` reports it on
   node leaders; ``Checkpointer.close()`` and ``wait()`` wait for it. Retention of each replica namespace follows
   the tier's policy (applied by the holder after each replica it publishes).
-- Restore (:meth:`Replicas.fetch`): a rank whose memory tier lacks the step the job restores (a replacement
-  node, its memory empty) pulls its node's part back from the first holder that has a valid copy (one rank of
-  the node pulls, the others wait on a lock file), then reads it as usual; no valid replica raises an error
+- Restore (:meth:`Replicas.read`): a rank whose memory tier lacks the step the job restores (a replacement
+  node, its memory empty) reads its part straight from the first holder that has a valid copy
+  (``replica_read``: streamed into the tensors over parallel connections, each chunk checked once); the node
+  leader then pulls the node's part into its memory tier in the background. No valid replica raises an error
   naming each holder and why, and the restore falls back to the next tier.
 
-Scope: placement, the per-Checkpointer replica set (server, replicator thread, peer fetch on restore).
+Scope: placement, the per-Checkpointer replica set (server, replicator thread, peer read on restore).
 Anti-scope: the wire and the verified copy (replica.py), the commit of the memory tier (saving.py), which copy
 the ranks restore (restore.py).
 """
@@ -26,20 +27,20 @@ the ranks restore (restore.py).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .catalog import Catalog, CheckpointInfo
+from .catalog import Catalog, CheckpointInfo, OpenCheckpoint
 from .engine.pool import DaemonThreadPool
 from .errors import CheckpointNotFoundError, ConfigError, TiersaveError
 from .events import background_warning
-from .replica import PeerAddress, PeerClient, ReplicaServer, fetch_part, is_copy_error
+from .replica import PeerAddress, PeerClient, ReplicaServer, fetch_part
+from .replica_read import read_from_holders
 from .storage.base import Storage
 from .storage.memory import MemoryStorage
 
@@ -51,10 +52,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Replicas", "holders", "ring"]
 
+T = TypeVar("T")
+
 DOMAIN_ENV = "TIERSAVE_FAILURE_DOMAIN"
 HOST_ENV = "TIERSAVE_REPLICA_HOST"
 _REPLICATE_GBPS = 0.05  # the slowest transfer allowed before a replication times out (on top of timeout_s)
-_LOCK_NAME = ".peer-fetch.lock"
 
 
 def ring(domains: Mapping[int, str]) -> list[int]:
@@ -173,7 +175,6 @@ class Replicas:
         self.layout = Layout(me.node_rank, ranks, domains, addresses, self.k)
         self._pool = DaemonThreadPool(1, "tiersave-replicate") if self.leader else None
         self.result_name = f"{tier.name}.replica"
-        self._fetched_from: dict[int, int] = {}  # step -> the holder this process pulled it from
 
     @property
     def node(self) -> int:
@@ -279,107 +280,139 @@ class Replicas:
 
     # -- restore ----------------------------------------------------------------------------------
 
-    def restorable(self, step: int | None) -> set[int] | None:
+    def restorable(self, step: int | None, tag: str | None = None) -> tuple[int | None, set[int]] | None:
         """Collective (every rank, in order): on rank 0, the steps every node can restore from memory, from its
-        own copy or a peer's replica (``step``: that one only); None on the other ranks. So that a job whose
-        rank 0 is on the replacement node still restores from memory."""
-        held: dict[str, Any] = {}
+        own copy or a peer's replica (``step``: that one only; ``tag``: those whose manifest carries it, or
+        the one a movable tag names on any node); None on the other ranks. So that a job whose rank 0 is on
+        the replacement node (its memory, and its movable tags, lost) still restores from memory.
+
+        Returns:
+            On rank 0: the step the movable tag ``tag`` names (the newest record among the nodes'; None if
+            no node has one), and the usable steps.
+        """
+        spaces: dict[str, Catalog] = {"own": self.tier.catalog}
         if self.leader:
             for node in self.layout.ranks:
-                if node == self.node:
-                    continue
-                try:
-                    held[str(node)] = Catalog(
-                        MemoryStorage(f"replicas/{self.storage.name}/node-{node}", create=False)
-                    ).steps()
-                except TiersaveError:
-                    continue
-        own: Any = self.tier.catalog.steps()
-        rows = self.group.gather_json({"node": self.node, "own": own, "held": held})
+                if node != self.node:
+                    with contextlib.suppress(TiersaveError):
+                        ns = MemoryStorage(f"replicas/{self.storage.name}/node-{node}", create=False)
+                        spaces[str(node)] = Catalog(ns)
+        row: dict[str, Any] = {"node": self.node, "moved": _movable(self.tier.catalog, tag)}
+        held: dict[str, Any] = {}
+        for key, catalog in spaces.items():
+            try:
+                steps = catalog.steps()
+            except TiersaveError:
+                continue
+            held[key] = [steps, _tagged(catalog, steps, tag)]
+        row["held"] = held
+        rows = self.group.gather_json(row)
         if rows is None:
             return None
         have: dict[int, set[int]] = {n: set() for n in self.layout.ranks}
-        for row in rows:
-            if not isinstance(row, dict):
+        tagged: set[int] = set()
+        moved: tuple[float, int] | None = None
+        for got in rows:
+            sender = got.get("node") if isinstance(got, dict) else None
+            if not isinstance(got, dict) or not isinstance(sender, int):
                 continue
-            sender, steps_own, theirs = row.get("node"), row.get("own"), row.get("held")
-            if isinstance(sender, int) and sender in have and isinstance(steps_own, list):
-                have[sender].update(s for s in steps_own if isinstance(s, int))
-            for key, steps in theirs.items() if isinstance(theirs, dict) else ():
-                if key.isdigit() and int(key) in have and isinstance(steps, list):
-                    have[int(key)].update(s for s in steps if isinstance(s, int))
+            mark: Any = got.get("moved")
+            if _tag_mark(mark) and (moved is None or (mark[0], mark[1]) > moved):  # the newest record wins
+                moved = (float(mark[0]), mark[1])
+            spaces_got: Any = got.get("held")
+            for key, pair in spaces_got.items() if isinstance(spaces_got, dict) else ():
+                node = sender if key == "own" else int(key) if key.isdigit() else -1
+                if node in have and isinstance(pair, list) and len(pair) == 2:
+                    have[node].update(_ints(pair[0]))
+                    tagged.update(_ints(pair[1]))
         usable = set.intersection(*have.values())
-        return usable if step is None else usable & {step}
+        if moved is not None:
+            usable &= {moved[1]}
+        elif tag is not None:
+            usable &= tagged
+        return (moved[1] if moved is not None else None), usable if step is None else usable & {step}
 
-    def fetch(self, step: int) -> int:
-        """Make this node's part of ``step`` present in the memory tier, pulling it from a holder if it is
-        missing. Returns the node it came from (this node's own when present).
+    def read(self, step: int, read: Callable[[OpenCheckpoint], T]) -> tuple[T, int]:
+        """Run ``read`` (the restore) over this rank's part of ``step`` streamed from the first holder of this
+        node's replica that has a valid copy (``replica_read``: into the tensors, each chunk checked once).
+        Then, on the node leader, the node's part is pulled into its memory tier in the background (``close``
+        and ``wait`` wait for it), so that the node has its memory copy back. Returns ``read``'s result and
+        the node it came from.
 
         Raises:
             CheckpointNotFoundError: no holder has a valid replica (the message names each and why).
         """
-        if step in self.tier.catalog.steps():
-            return self.node
-        with self._fetch_lock():
-            if step in self.tier.catalog.steps():  # another rank of this node pulled it meanwhile
-                return self._fetched_from.get(step, self.node)
-            reasons: list[str] = []
-            for holder in self.layout.holders(self.node):
-                address = self.layout.addresses.get(holder)
-                if address is None:
-                    reasons.append(f"node {holder} runs no replica server")
-                    continue
-                try:
-                    fetch_part(
-                        PeerClient(address, self._token, self.timeout_s),
-                        f"node-{self.node}",
-                        self.storage,
-                        step,
-                        set(self.layout.ranks[self.node]),
-                    )
-                except Exception as exc:
-                    if not is_copy_error(exc):
-                        raise
-                    reasons.append(f"node {holder}: {exc}")
-                    continue
-                self._fetched_from[step] = holder
-                return holder
-        raise CheckpointNotFoundError(
-            f"step {step} is not in {self.storage.uri} on node {self.node} and no peer holds a valid replica: "
-            + "; ".join(reasons)
-        )
-
-    @contextlib.contextmanager
-    def _fetch_lock(self) -> Any:
-        """One rank per node pulls; the node's other ranks wait (bounded) and then find the step present."""
-        path = os.path.join(self.storage.root, _LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        clients: list[PeerClient] = []
+        missing: list[str] = []
+        for holder in self.layout.holders(self.node):
+            address = self.layout.addresses.get(holder)
+            if address is None:
+                missing.append(f"node {holder} runs no replica server")
+            else:
+                clients.append(PeerClient(address, self._token, self.timeout_s))
         try:
-            deadline = time.monotonic() + self.timeout_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise CheckpointNotFoundError(
-                            f"another rank of node {self.node} held {path} for {self.timeout_s:g} s"
-                        ) from None
-                    time.sleep(0.05)
-            yield
-        finally:
-            os.close(fd)
+            result, client = read_from_holders(clients, f"node-{self.node}", step, self.storage, read)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"step {step} is not in {self.storage.uri} on node {self.node}: " + "; ".join([*missing, str(exc)])
+            ) from None
+        if self._pool is not None:
+            self._pool.submit(self._rebuild, client, step)
+        return result, client.peer.node
+
+    def _rebuild(self, client: PeerClient, step: int) -> None:
+        """Node leader, after a restore read ``step`` from ``client``'s replica: the node's part into its own
+        memory tier (``fetch_part``: verified, published by rename when complete; nothing if present)."""
+        try:
+            fetch_part(client, f"node-{self.node}", self.storage, step, set(self.layout.ranks[self.node]))
+        except Exception as exc:  # on a pool thread: said, never lost (the restore itself succeeded)
+            background_warning(
+                f"step {step} was restored from node {client.peer.node}'s replica, but node {self.node}'s memory "
+                f"copy of it could not be rebuilt: {exc}; the next save fills {self.storage.uri} again"
+            )
 
 
-def peer_source(replicas: Replicas | None, tier: TierRuntime, step: int) -> str:
-    """Where a restore of ``step`` from ``tier`` takes this rank's bytes from: the tier itself, or a peer
-    (pulled into the tier first). Raises as :meth:`Replicas.fetch`."""
-    if replicas is None or tier is not replicas.tier:
-        return tier.storage.uri
-    source = replicas.fetch(step)
-    if source == replicas.node:
-        return tier.storage.uri
-    return f"{tier.storage.uri} (pulled from node {source}'s replica)"
+def _tag_mark(mark: Any) -> bool:
+    """Whether ``mark`` is a ``[time, step]`` pair (a node's movable tag, as exchanged)."""
+    return isinstance(mark, list) and len(mark) == 2 and isinstance(mark[0], (int, float)) and isinstance(mark[1], int)
+
+
+def _ints(value: Any) -> list[int]:
+    return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
+
+
+def _movable(catalog: Catalog, tag: str | None) -> list[float | int] | None:
+    """``[time, step]`` of the movable tag ``tag`` in ``catalog`` (None: none, or its step is gone)."""
+    if tag is None:
+        return None
+    try:
+        moved = catalog.tags.resolve(tag)
+    except TiersaveError:
+        return None
+    return None if moved is None else [moved.time, moved.step]
+
+
+def _tagged(catalog: Catalog, steps: list[int], tag: str | None) -> list[int]:
+    """The ``steps`` whose manifest in ``catalog`` carries ``tag`` (none without a tag)."""
+    out = []
+    for s in steps if tag is not None else ():
+        with contextlib.suppress(TiersaveError):
+            if tag in catalog.manifest(s).tags:
+                out.append(s)
+    return out
+
+
+def read_copy(
+    replicas: Replicas | None, tier: TierRuntime, step: int, read: Callable[[OpenCheckpoint], T]
+) -> tuple[T, str]:
+    """Run ``read`` (the restore) over ``tier``'s copy of ``step``, or, when this node's memory lost it (a
+    replacement node), over this rank's part streamed from a peer's replica. Returns ``read``'s result and
+    where the bytes came from. Raises as :meth:`Replicas.read`."""
+    if replicas is None or tier is not replicas.tier or step in tier.catalog.steps():
+        with tier.catalog.open(step) as ckpt:
+            return read(ckpt), tier.storage.uri
+    result, node = replicas.read(step, read)
+    return result, f"{tier.storage.uri} (pulled from node {node}'s replica)"
 
 
 def node_ranks(group: CoordinationGroup) -> Sequence[int]:

@@ -137,11 +137,13 @@ def restore_from(
                 source = tier.storage.uri
                 chain.protection.hold(tier.index, candidate)  # our own retention must not delete what we read
                 try:
-                    source = replication.peer_source(replicas, tier, candidate)
-                    with tier.catalog.open(candidate) as ckpt:
+
+                    def read(ckpt: OpenCheckpoint) -> tuple[Restore, tuple[Any, int, int]]:
                         ckpt.manifest = rank_view(ckpt.manifest, rank, world_size)
                         job = Restore(ckpt, into, strict, selection)
-                        result, nbytes, in_place = job.run(pool)
+                        return job, job.run(pool)
+
+                    (job, (result, nbytes, in_place)), source = replication.read_copy(replicas, tier, candidate, read)
                 except (FormatError, CheckpointNotFoundError, StorageError) as exc:  # this copy is unusable
                     error = exc
                 except TiersaveError as exc:  # not a matter of this copy: every rank stops here
@@ -225,10 +227,14 @@ def _candidates(
     peer replicas: the memory tier for the steps every node has in memory or in a peer's replica)."""
     holders: dict[int, list[TierRuntime]] = {}
     missing: list[CheckpointNotFoundError] = []
+    # With peer replicas, every node tells rank 0 what it can restore from memory (collective; rank 0's own
+    # memory may be the one lost, with its movable tags).
+    agreed = replicas.restorable(step, tag) if replicas is not None else None
     # A movable tag (tags.py, on the first tier) wins over every tier's manifest tags: it names one step.
     moved = chain.first.catalog.tags.resolve(tag) if tag is not None else None
-    if moved is not None and (step is None or step == moved.step):
-        step, tag = moved.step, None
+    moved_step = agreed[0] if agreed is not None and agreed[0] is not None else moved.step if moved else None
+    if moved_step is not None and (step is None or step == moved_step):
+        step, tag = moved_step, None
     for tier in chain.tiers:
         try:
             found = tier.catalog.find(step, tag)
@@ -237,9 +243,8 @@ def _candidates(
             continue
         for s in found:
             holders.setdefault(s, []).append(tier)
-    in_memory = replicas.restorable(step) if replicas is not None and tag is None else None  # collective
-    if replicas is not None and in_memory is not None:  # rank 0's memory may be the one lost: add, never drop
-        for s in in_memory:
+    if replicas is not None and agreed is not None:  # rank 0's memory may be the one lost: add, never drop
+        for s in agreed[1]:
             holders[s] = [replicas.tier, *(t for t in holders.get(s, []) if t is not replicas.tier)]
     if group is not None:
         mine: Json = [[s, [t.name for t in holders[s]]] for s in sorted(holders, reverse=True)]

@@ -21,6 +21,7 @@ TIMEOUT_S = float(os.environ.get("TIERSAVE_DIST_TIMEOUT", "20"))
 ROOT = Path(os.environ.get("TIERSAVE_TEST_ROOT", "/nonexistent"))
 STEPS = int(os.environ.get("TIERSAVE_TEST_STEPS", "3"))
 REPLICAS = int(os.environ.get("TIERSAVE_TEST_REPLICAS", "1"))
+TAG = os.environ.get("TIERSAVE_TEST_TAG") or None  # restore: restore(tag=TAG)
 
 
 def state(rank: int, step: int) -> dict[str, Any]:
@@ -44,11 +45,12 @@ def memory() -> tiersave.Checkpointer:
 
 def save(rank: int, rec: dict[str, Any]) -> None:
     """Save STEPS steps in memory with replicas (and every second one on the shared disk, as a second
-    Checkpointer: the durable fallback); record what each replication reported on the node leaders."""
+    Checkpointer: the durable fallback), step 2 tagged ``best`` in its manifest and by the movable tag
+    ``serving``; record what each replication reported on the node leaders."""
     rec["replicas"] = {}
     with memory() as ckpt, tiersave.Checkpointer(ROOT, coordination_timeout_s=TIMEOUT_S) as durable:
         for step in range(1, STEPS + 1):
-            handle = ckpt.save_async(step, state(rank, step))
+            handle = ckpt.save_async(step, state(rank, step), tags=["best"] if step == 2 else ())
             handle.result(60)
             if step % 2 == 0:
                 durable.save(step, state(rank, step))
@@ -58,18 +60,19 @@ def save(rank: int, rec: dict[str, Any]) -> None:
                     rec["replicas"][str(step)] = "ok"
                 except tiersave.TiersaveError as exc:
                     rec["replicas"][str(step)] = f"{type(exc).__name__}: {exc}"
+        ckpt.tag(2, "serving")  # a movable tag: a file in each node's memory, not replicated
         rec["blocked_s"] = handle.stats.blocked_s
 
 
 def restore(rank: int, rec: dict[str, Any]) -> None:
-    """Restore the newest step from memory (a peer's replica where this node's memory is empty); if no copy in
-    memory can be used, record why and restore from the durable Checkpointer."""
+    """Restore the newest step (or the one tagged TAG) from memory (a peer's replica where this node's memory is
+    empty); if no copy in memory can be used, record why and restore from the durable Checkpointer."""
     live = state(rank, 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with memory() as ckpt:
             try:
-                ckpt.restore(into=live)
+                ckpt.restore(into=live, tag=TAG)
                 report = ckpt.last_restore
                 rec.update(step=report.step, source=report.source, tier=report.tier)
             except tiersave.TiersaveError as exc:

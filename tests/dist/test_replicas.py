@@ -95,6 +95,18 @@ def test_lost_node_restores_bit_exact_from_the_peer_replica(launch, tmp_path, lo
     assert steps(nodes.memory(lost)) == [3]  # the pulled part is in the replacement's memory now
 
 
+@pytest.mark.parametrize("tag", ["best", "serving"])  # a manifest tag; a movable tag (lost with node 0's memory)
+def test_tag_restore_after_the_loss_of_rank_0s_node_reads_the_replica(launch, tmp_path, tag):
+    nodes = Nodes(tmp_path, 2)
+    run(launch, nodes, "save")
+    nodes.lose(0)  # rank 0's memory (and its movable tag files) is gone: the other node still knows the tag
+    job = run(launch, nodes, "restore", TIERSAVE_TEST_TAG=tag)
+    for r in range(2):
+        rec = job.rank(r)
+        assert rec["step"] == 2 and rec["consistent"] and rec["tier"] == "memory", rec
+    assert "pulled from node 1" in job.rank(0)["source"] and "pulled" not in job.rank(1)["source"]
+
+
 def test_replica_also_lost_falls_back_to_the_durable_copy_with_the_reason(launch, tmp_path):
     nodes = Nodes(tmp_path, 2)
     run(launch, nodes, "save")
@@ -124,7 +136,7 @@ def test_corrupted_replica_chunk_is_detected_and_an_older_step_is_used(launch, t
         rec = job.rank(r)
         assert rec["step"] == 2 and rec["consistent"] and rec["tier"] == "memory", rec
     assert "pulled from node 0" in job.rank(1)["source"]
-    assert any("does not match its checksum" in w for w in job.rank(1)["warnings"]), job.rank(1)["warnings"]
+    assert any("checksum mismatch" in w for w in job.rank(1)["warnings"]), job.rank(1)["warnings"]
     assert steps(nodes.memory(1)) == [2]  # the corrupted step 3 was never published
 
 
@@ -162,7 +174,7 @@ def test_replicated_state_is_refused_with_a_node_local_memory_tier(launch, tmp_p
         assert steps(nodes.memory(r)) == []
 
 
-def test_two_nodes_of_two_ranks_pull_once_per_node(launch, tmp_path):
+def test_two_nodes_of_two_ranks_each_rank_reads_its_part_from_the_peer(launch, tmp_path):
     nodes = Nodes(tmp_path, 2, per_node=2)
     saved = run(launch, nodes, "save", TIERSAVE_TEST_STEPS="2")
     assert saved.rank(0)["replicas"] == {"1": "ok", "2": "ok"} and saved.rank(2)["replicas"] == {"1": "ok", "2": "ok"}
@@ -171,7 +183,7 @@ def test_two_nodes_of_two_ranks_pull_once_per_node(launch, tmp_path):
     job = run(launch, nodes, "restore")
     for r in range(4):
         assert job.rank(r)["step"] == 2 and job.rank(r)["consistent"], job.rank(r)
-    assert "pulled from node 0" in job.rank(2)["source"] or "pulled from node 0" in job.rank(3)["source"]
+    assert "pulled from node 0" in job.rank(2)["source"] and "pulled from node 0" in job.rank(3)["source"]
     assert steps(nodes.memory(1)) == [2]
 
 
