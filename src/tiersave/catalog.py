@@ -168,6 +168,7 @@ class OpenCheckpoint:
         self.prefix = prefix
         self._readers: dict[int, BlobReader] = {}
         self._lock = threading.Lock()
+        self.shared: frozenset[int] = frozenset()  # shards other processes of this machine read now too
 
     @property
     def step(self) -> int:
@@ -185,7 +186,8 @@ class OpenCheckpoint:
                 key = info.key(self.prefix)
                 held = f" (referenced in step {info.step})" if info.step is not None else ""
                 try:
-                    reader = self.storage.open_reader(key)
+                    shared = getattr(self.storage, "open_shared_reader", None) if shard in self.shared else None
+                    reader = (shared or self.storage.open_reader)(key)
                 except ObjectNotFoundError:
                     where = self.storage.uri.rstrip("/") + "/" + key.rsplit("/", 1)[0] if held else self.location
                     raise CorruptCheckpointError(

@@ -37,7 +37,7 @@ from .storage.base import Storage
 if TYPE_CHECKING:  # pragma: no cover
     from .dist import CoordinationGroup
 
-__all__ = ["Collective", "join", "merge_parts", "rank_key", "rank_part", "rank_view"]
+__all__ = ["Collective", "join", "merge_parts", "rank_key", "rank_part", "rank_view", "shared_shards"]
 
 
 class Collective:
@@ -284,8 +284,20 @@ def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest
         raise CorruptCheckpointError(
             f"step {manifest.step}: the manifest has no state for rank {rank}", step=manifest.step
         )
-    tensors = {name: t for name, t in manifest.tensors.items() if name.startswith((prefix, REPLICATED_PREFIX))}
+    tensors = {name: t for name, t in manifest.tensors.items() if name.startswith(prefix)}
+    # The replicated tensors in rotated rank order (rank r starts with what rank r wrote, then r+1's...): the
+    # ranks of one node then read different files from the device at first and the rest from the page cache.
+    shared = [(t.name, t) for t in manifest.tensors.values() if t.name.startswith(REPLICATED_PREFIX)]
+    shards = manifest.shards
+    shared.sort(key=lambda item: (shards[item[1].shard].rank - rank) % saved)
+    tensors.update(shared)
     return replace(manifest, tree=tree, tensors=tensors)
+
+
+def shared_shards(view: Manifest) -> frozenset[int]:
+    """The shards of a rank's ``view`` (:func:`rank_view`) that hold replicated tensors: every rank of the job
+    reads them, so the ranks sharing a machine read them buffered, through one page cache."""
+    return frozenset(t.shard for name, t in view.tensors.items() if name.startswith(REPLICATED_PREFIX))
 
 
 def _prefix_refs(tree: Any, prefix: str) -> Any:

@@ -27,7 +27,7 @@ import torch
 
 from . import replication
 from .catalog import OpenCheckpoint
-from .collective import Collective, rank_view
+from .collective import Collective, rank_view, shared_shards
 from .engine.reader import ReadRequest
 from .errors import (
     CheckpointNotFoundError,
@@ -140,6 +140,8 @@ def restore_from(
 
                     def read(ckpt: OpenCheckpoint) -> tuple[Restore, tuple[Any, int, int]]:
                         ckpt.manifest = rank_view(ckpt.manifest, rank, world_size)
+                        if group is not None and group.identity.local_world_size > 1:
+                            ckpt.shared = shared_shards(ckpt.manifest)
                         job = Restore(ckpt, into, strict, selection)
                         return job, job.run(pool)
 

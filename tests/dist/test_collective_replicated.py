@@ -119,3 +119,27 @@ def test_a_rank_whose_state_lacks_a_declared_key_is_named_on_every_rank(launch, 
     failure = job.rank(0)["save1"]
     assert failure["type"] == "ConfigError" and "rank(s) [1] does not fit replicated=" in failure["message"]
     assert failure["elapsed"] < TIMEOUT
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_ranks_sharing_a_machine_read_replicated_shards_buffered_and_alone_direct(launch, tmp_path, nodes):
+    """Two ranks on one node read the replicated state's shards through the page cache (so the device serves
+    those bytes about once for both), where a rank alone on its node keeps the direct reads of a direct root."""
+    root = tmp_path / "ckpt"
+    rank_env = {
+        r: {"GROUP_RANK": str(r if nodes == 2 else 0), "LOCAL_RANK": str(0 if nodes == 2 else r)} for r in (0, 1)
+    }
+    job = launch("restore_io_paths", 2, env=env(root), script=SCRIPT, rank_env=rank_env)
+    recs = [job.rank(r) for r in (0, 1)]
+    for rec in recs:
+        assert "crash" not in rec, rec
+        assert rec["restored"], rec
+    if any(rec["direct_refused"] for rec in recs):
+        pytest.skip("this file system refuses O_DIRECT")
+    total = 5 << 20  # four replicated 1 MiB tensors and the rank's own one
+    for rec in recs:
+        assert sum(rec["read"].values()) == total, rec["read"]
+        if nodes == 1:
+            assert rec["read"] == {"buffered": total}, rec["read"]
+        else:
+            assert "buffered" not in rec["read"], rec["read"]

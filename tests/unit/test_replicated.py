@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tiersave
-from tiersave.collective import merge_parts, rank_part, rank_view
+from tiersave.collective import merge_parts, rank_part, rank_view, shared_shards
 from tiersave.errors import ConfigError
 from tiersave.format.manifest import ShardInfo, TensorEntry
 from tiersave.replicated import assign, check_agreement, fingerprints, normalize_keys, select
@@ -118,6 +118,19 @@ def test_rank_zero_merges_replicated_tensors_once_and_each_rank_sees_them():
     assert view.tree["model"]["y"] == {"$tensor": "replicated/model.y"} and view.tree["w"] == {
         "$tensor": "rank-00000/w"
     }
+
+
+def test_each_rank_reads_the_replicated_shards_starting_with_its_own_and_shares_them():
+    """Rank r's view lists its own tensors, then the replicated ones in rotated rank order (r's, r+1's...), so
+    the ranks of a node start on different files; the shards holding replicated tensors are the shared ones."""
+    manifest = merge([part(0, "d", {"model.x": 8}), part(1, "d", {"model.y": 4})])
+    for rank, expect in ((0, ["model.x", "model.y"]), (1, ["model.y", "model.x"])):
+        view = rank_view(manifest, rank, 2)
+        assert list(view.tensors) == [f"rank-{rank:05d}/w"] + [f"replicated/{n}" for n in expect]
+        assert shared_shards(view) == {0, 1}
+    w = {"w": TensorEntry("w", "float32", (1,), 0, 0, 4, ("0" * 8,))}
+    parts = [rank_part(r, [ShardInfo(f"shard-{r:05d}-000.bin", r, 4096)], w, {"$tensor": "w"}) for r in (0, 1)]
+    assert shared_shards(rank_view(merge(parts), 1, 2)) == frozenset()  # nothing replicated: nothing shared
 
 
 def test_rank_zero_refuses_ranks_that_disagree_on_the_replicated_layout():

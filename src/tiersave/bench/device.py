@@ -35,7 +35,9 @@ def _files(paths: Iterable[Path]) -> list[Path]:
         if p.is_file():
             out.append(p)
         elif p.is_dir():
-            out += [q for q in sorted(p.rglob("*")) if q.is_file() and not q.is_symlink()]
+            # os.walk skips what vanishes under it: a checkpointer's retention may delete a step meanwhile
+            found = (Path(d, f) for d, _, files in os.walk(p) for f in files)
+            out += sorted(q for q in found if q.is_file() and not q.is_symlink())
     return out
 
 

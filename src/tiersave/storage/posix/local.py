@@ -220,11 +220,20 @@ class LocalStorage:
         return LocalBlobWriter(self, key, fd, dfd, discard=functools.partial(self.delete, key), size_hint=size_hint)
 
     def open_reader(self, key: str) -> LocalBlobReader:
+        return self._open_reader(key, direct=True)
+
+    def open_shared_reader(self, key: str) -> LocalBlobReader:
+        """A reader of a file that several processes of this machine read at about the same time (the
+        replicated state every rank of a node restores): buffered whatever the I/O policy, so the page cache
+        reads its bytes from the device once for all of them, where direct reads would read them once each."""
+        return self._open_reader(key, direct=False)
+
+    def _open_reader(self, key: str, *, direct: bool) -> LocalBlobReader:
         parts = check_key(key)
         with os_errors(self.uri, "opening", key), self._dirs.parent(parts, key) as dirfd:
             fd = open_regular_at(dirfd, parts[-1], key)
             try:
-                dfd = self._open_direct_twin(dirfd, parts[-1], key, fd, os.O_RDONLY)
+                dfd = self._open_direct_twin(dirfd, parts[-1], key, fd, os.O_RDONLY) if direct else None
             except BaseException:
                 os.close(fd)
                 raise
