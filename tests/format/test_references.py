@@ -52,7 +52,7 @@ def test_the_chain_is_as_specified(chain):
         (lambda s: s.pop("content"), "shards[0] is a reference to step 1 without content hashes"),
         (lambda s: s["content"].append([4096, H]), "covers"),
         (lambda s: s["content"][0].__setitem__(0, 100), "shards[0].content piece length = 100 is out of range"),
-        (lambda s: s["content"][0].__setitem__(1, "xyz"), "64-hex-digit sha256"),
+        (lambda s: s["content"][0].__setitem__(1, "xyz"), "64-hex-digit hash"),
     ],
 )
 def test_malformed_references_are_refused(chain, edit, fragment):
