@@ -250,7 +250,7 @@ class Saver:
             if self.incremental is not None:
                 base = self._pin_base(request.step, self.incremental.full_every)
                 increment = Increment(self.storage, plan, base)
-                stats.extra[CHAIN_STAT] = chain_of(base)
+                stats.extra[CHAIN_STAT] = chain_of(increment.base)  # None: a base hashed otherwise
             job = StagedWrite(
                 self.storage,
                 prefix,
@@ -387,6 +387,7 @@ class Saver:
             tags=request.tags,
             metadata=request.metadata,
             stats=stats.to_json(),
+            content_hash=written.content_hash,
         )
         if p.base is not None:
             try:
