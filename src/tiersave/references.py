@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from .collective import rank_key
+from .engine.increment import content_hash
 from .errors import ConfigError, SaveError
 from .format.layout import MANIFEST_NAME, step_dirname
 from .format.manifest import Manifest, TensorEntry
@@ -44,7 +45,8 @@ def check_incremental(incremental: object, full_every: object) -> Incremental | 
     """Validate ``Checkpointer(incremental=..., full_every=...)``; None when saves are not incremental.
 
     Raises:
-        ConfigError: ``incremental`` is not a bool, or ``full_every`` not a positive integer or None.
+        ConfigError: ``incremental`` is not a bool, or ``full_every`` not a positive integer or None, or the
+            content hash asked for (``TIERSAVE_CONTENT_HASH``) is not available.
     """
     if not isinstance(incremental, bool):
         raise ConfigError(f"incremental must be True or False, got {incremental!r}")
@@ -52,6 +54,8 @@ def check_incremental(incremental: object, full_every: object) -> Incremental | 
         raise ConfigError(f"full_every must be a positive integer or None, got {full_every!r}")
     if full_every is not None and not incremental:
         raise ConfigError("full_every applies to incremental saves: pass incremental=True with it")
+    if incremental:
+        content_hash()  # TIERSAVE_CONTENT_HASH=blake3 without the package fails here rather than at the first save
     return Incremental(full_every) if incremental else None
 
 
