@@ -22,12 +22,9 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from .collective import rank_key
-from .engine.increment import content_hash
 from .errors import ConfigError, SaveError
 from .format.layout import MANIFEST_NAME, step_dirname
 from .format.manifest import Manifest, TensorEntry
-from .replicated import REPLICATED_PREFIX
 from .storage.base import Storage
 
 CHAIN_STAT = "incremental_chain"
@@ -55,6 +52,8 @@ def check_incremental(incremental: object, full_every: object) -> Incremental | 
     if full_every is not None and not incremental:
         raise ConfigError("full_every applies to incremental saves: pass incremental=True with it")
     if incremental:
+        from .engine.increment import content_hash  # here: catalog.py imports this module, and must not need torch
+
         content_hash()  # TIERSAVE_CONTENT_HASH=blake3 without the package fails here rather than at the first save
     return Incremental(full_every) if incremental else None
 
@@ -82,6 +81,9 @@ def rank_base(base: Manifest | None, rank: int, world_size: int) -> Manifest | N
         return None
     if world_size == 1:
         return base
+    from .collective import rank_key  # here: replicated.py imports torch, which catalog.py must not need
+    from .replicated import REPLICATED_PREFIX
+
     local: dict[int, int] = {}
     for index, shard in enumerate(base.shards):
         if shard.rank == rank:
