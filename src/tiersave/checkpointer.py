@@ -90,7 +90,8 @@ class Checkpointer:
             (rank 0 only), so a second live writer of a root gets ``WriterLockedError`` naming this one; a
             restore never takes it. False (or ``TIERSAVE_WRITER_LOCK=0``): docs/guarantees.md.
         incremental, full_every: reference the first tier's shards equal to the newest checkpoint's instead of
-            writing them; every ``full_every`` saves a full one (docs/format.md section 9; one process only).
+            writing them; every ``full_every`` saves a full one (docs/format.md section 9; with many ranks, each
+            rank references its own shards).
 
     Thread safety: one thread calls save/restore at a time, listing from any. A context manager, or ``close()``.
     """

@@ -7,7 +7,8 @@ votes with what it wrote (:func:`rank_part`), and rank 0 merges the parts into o
 (:func:`merge_parts`) and commits it only if every rank voted yes (``CoordinationGroup.vote``: one gather and
 one broadcast per save, whatever the number of tensors).
 
-The global manifest stays a plain format-1 manifest: ``world_size`` is the number of ranks, every shard
+The global manifest is a plain manifest (format 1.x; 2.x when an incremental save's ranks reference their
+own shards of an earlier step): ``world_size`` is the number of ranks, every shard
 records its ``rank``, every tensor is named ``rank-RRRRR/<name>`` and the tree is
 ``{"rank-00000": <rank 0's tree>, "rank-00001": ...}``. Tensors declared replicated (replicated.py) are
 written once in total, by the rank each is assigned to, and named ``replicated/<name>``: every rank's tree
@@ -100,17 +101,20 @@ def rank_part(
     tensors: Mapping[str, TensorEntry],
     tree: Any,
     replicated: Selection | None = None,
+    content_hash: str = "sha256",
 ) -> dict[str, Any]:
     """What a rank votes with: its shards, its tensor entries (shard indices local to its shards) and its tree;
     with ``replicated``, the replicated tensors it wrote apart from its own, and the digest of the replicated
-    layout that rank 0 compares across ranks."""
+    layout that rank 0 compares across ranks; with content hashes (an incremental save), their function."""
     shared = replicated.names if replicated is not None else frozenset()
     part: dict[str, Any] = {
         "rank": rank,
-        "shards": [{"file": s.file, "size": s.size} for s in shards],
+        "shards": [_shard_part(s) for s in shards],
         "tensors": {name: _entry(t) for name, t in tensors.items() if name not in shared},
         "tree": tree,
     }
+    if any(s.content for s in shards):
+        part["content_hash"] = content_hash
     if replicated is not None:
         part["replicated"] = {
             "keys": [escape_key(k) for k in replicated.keys],
@@ -119,6 +123,28 @@ def rank_part(
             "tensors": {name: _entry(t) for name, t in tensors.items() if name in shared},
         }
     return part
+
+
+def _shard_part(s: ShardInfo) -> dict[str, Any]:
+    """A shard in a rank's part; an incremental save's also with its content hashes and referenced step."""
+    out: dict[str, Any] = {"file": s.file, "size": s.size}
+    if s.content:
+        out["content"] = [[n, h] for n, h in s.content]
+    if s.step is not None:
+        out["step"] = s.step
+    return out
+
+
+def _shard_of(step: int, rank: int, raw: Any) -> ShardInfo:
+    """A shard of rank ``rank``'s part, its types checked (the merged manifest is parsed as a whole after)."""
+    content = raw.get("content", [])
+    ref = raw.get("step")
+    pairs = isinstance(content, list) and all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], str) for p in content
+    )
+    if not pairs or not (ref is None or (isinstance(ref, int) and not isinstance(ref, bool))):
+        raise ConfigError(f"step {step}: rank {rank} sent a malformed shard entry {str(raw)[:200]}")
+    return ShardInfo(raw["file"], rank, raw["size"], tuple((n, h) for n, h in content), ref)
 
 
 def _entry(t: TensorEntry) -> list[Any]:
@@ -147,7 +173,7 @@ def merge_parts(
     layout = _replicated_layout(step, parts)
     for rank, part in enumerate(parts):
         base = len(shards)
-        shards.extend(ShardInfo(s["file"], rank, s["size"]) for s in part["shards"])
+        shards.extend(_shard_of(step, rank, s) for s in part["shards"])
         prefix = rank_key(rank) + "/"
         _add_entries(tensors, part["tensors"], prefix, base)
         if layout is None:
@@ -170,11 +196,18 @@ def merge_parts(
                 f"step {step}: the ranks wrote {written} of the {layout['count']} replicated tensors: they did not "
                 "assign them alike"
             )
+    hashes = {part.get("content_hash", "sha256") for part in parts if any("content" in s for s in part["shards"])}
+    if len(hashes) > 1:
+        raise ConfigError(
+            f"step {step}: the ranks hashed their pieces with different functions ({', '.join(sorted(hashes))}): "
+            "install the same blake3 package on every node, or set TIERSAVE_CONTENT_HASH alike on every rank"
+        )
     manifest = Manifest(
         step=step,
         shards=tuple(shards),
         tensors=tensors,
         tree=tree,
+        content_hash=hashes.pop() if hashes else "sha256",
         world_size=len(parts),
         chunk_bytes=chunk_bytes,
         metrics=metrics,
@@ -233,8 +266,8 @@ def check_shards_visible(
             (each node has its own disk or memory), or a rank's write went elsewhere.
     """
     for shard in manifest.shards:
-        if ranks is not None and shard.rank not in ranks:
-            continue
+        if (ranks is not None and shard.rank not in ranks) or shard.step is not None:
+            continue  # a reference lies in an earlier committed step: saving.py checks that step is still there
         key = f"{prefix}/{shard.file.rsplit('/', 1)[-1]}"
         try:
             size = storage.head(key).size

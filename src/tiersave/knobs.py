@@ -17,6 +17,8 @@ from .errors import ConfigError
 _IO_THREADS = "TIERSAVE_IO_THREADS"
 _CHUNK_BYTES = "TIERSAVE_CHUNK_BYTES"
 _LEFTOVER_GRACE_S = "TIERSAVE_LEFTOVER_GRACE_S"
+_CONTENT_HASH = "TIERSAVE_CONTENT_HASH"
+CONTENT_HASH_CHOICES = ("auto", "blake3", "sha256")
 
 
 def int_env(name: str, default: int, lo: int, hi: int) -> int:
@@ -53,6 +55,15 @@ def leftover_grace_s() -> int:
     return int_env(_LEFTOVER_GRACE_S, 86_400, 1, 10 * 365 * 86_400)
 
 
+def content_hash() -> str:
+    """The hash of an incremental save's pieces (``TIERSAVE_CONTENT_HASH``): ``auto`` (BLAKE3 where the
+    ``blake3`` package is installed, else SHA-256), ``blake3`` or ``sha256``."""
+    raw = os.environ.get(_CONTENT_HASH) or "auto"
+    if raw not in CONTENT_HASH_CHOICES:
+        raise ConfigError(f"{_CONTENT_HASH}={raw!r} is not one of {', '.join(CONTENT_HASH_CHOICES)}")
+    return raw
+
+
 @contextlib.contextmanager
 def override_env(name: str, value: object) -> Iterator[None]:
     """Set environment variable ``name`` for the duration of a ``with`` block (tests)."""
@@ -73,3 +84,7 @@ def override_io_threads(value: int) -> contextlib.AbstractContextManager[None]:
 
 def override_chunk_bytes(value: int) -> contextlib.AbstractContextManager[None]:
     return override_env(_CHUNK_BYTES, value)
+
+
+def override_content_hash(value: str) -> contextlib.AbstractContextManager[None]:
+    return override_env(_CONTENT_HASH, value)

@@ -6,9 +6,12 @@ never chain, so one level suffices), nor the base an unfinished incremental save
 (:class:`Pins`). Deleting stays the atomic un-commit of docs/format.md section 6, one step at a time, so a
 kill at any instant of retention leaves every kept checkpoint whole.
 
+With many ranks, each rank references its own shards of the previous committed checkpoint (:func:`rank_base`):
+the same rank of a job of the same size; a checkpoint saved by another number of ranks is no base.
+
 Scope: which steps retention may delete given the references, pins of unfinished saves, the full/incremental
-choice of one save. Anti-scope: listing and deleting (catalog.py), the per-piece hashing and skipping
-(engine/increment.py), the format (format/manifest.py).
+choice of one save and the part of a base one rank may reference. Anti-scope: listing and deleting
+(catalog.py), the per-piece hashing and skipping (engine/increment.py), the format (format/manifest.py).
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import ConfigError, SaveError
 from .format.layout import MANIFEST_NAME, step_dirname
-from .format.manifest import Manifest
+from .format.manifest import Manifest, TensorEntry
 from .storage.base import Storage
 
 CHAIN_STAT = "incremental_chain"
@@ -39,7 +42,8 @@ def check_incremental(incremental: object, full_every: object) -> Incremental | 
     """Validate ``Checkpointer(incremental=..., full_every=...)``; None when saves are not incremental.
 
     Raises:
-        ConfigError: ``incremental`` is not a bool, or ``full_every`` not a positive integer or None.
+        ConfigError: ``incremental`` is not a bool, or ``full_every`` not a positive integer or None, or the
+            content hash asked for (``TIERSAVE_CONTENT_HASH``) is not available.
     """
     if not isinstance(incremental, bool):
         raise ConfigError(f"incremental must be True or False, got {incremental!r}")
@@ -47,6 +51,10 @@ def check_incremental(incremental: object, full_every: object) -> Incremental | 
         raise ConfigError(f"full_every must be a positive integer or None, got {full_every!r}")
     if full_every is not None and not incremental:
         raise ConfigError("full_every applies to incremental saves: pass incremental=True with it")
+    if incremental:
+        from .engine.increment import content_hash  # here: catalog.py imports this module, and must not need torch
+
+        content_hash()  # TIERSAVE_CONTENT_HASH=blake3 without the package fails here rather than at the first save
     return Incremental(full_every) if incremental else None
 
 
@@ -62,6 +70,34 @@ def chain_of(base: Manifest | None) -> int:
 def wants_full(base: Manifest | None, full_every: int | None) -> bool:
     """True when the next save must be full: no base, or ``full_every`` saves since the last full one."""
     return base is None or (full_every is not None and chain_of(base) >= full_every)
+
+
+def rank_base(base: Manifest | None, rank: int, world_size: int) -> Manifest | None:
+    """What rank ``rank`` of a job of ``world_size`` ranks may reference in ``base``: the base itself for a
+    single process; for many ranks, the rank's own shards, with the tensors in them under the names the rank's
+    save gives them (its own without ``rank-RRRRR/``, the replicated ones it wrote without ``replicated/``).
+    None (a full save) when ``base`` was saved by another number of ranks: its shards hold other slices."""
+    if base is None or base.world_size != world_size:
+        return None
+    if world_size == 1:
+        return base
+    from .collective import rank_key  # here: replicated.py imports torch, which catalog.py must not need
+    from .replicated import REPLICATED_PREFIX
+
+    local: dict[int, int] = {}
+    for index, shard in enumerate(base.shards):
+        if shard.rank == rank:
+            local[index] = len(local)
+    own = rank_key(rank) + "/"
+    tensors: dict[str, TensorEntry] = {}
+    for name, t in base.tensors.items():
+        if t.shard in local:
+            for prefix in (own, REPLICATED_PREFIX):
+                if name.startswith(prefix):
+                    short = name[len(prefix) :]
+                    tensors[short] = replace(t, name=short, shard=local[t.shard])
+    shards = tuple(base.shards[i] for i in local)
+    return replace(base, shards=shards, tensors=tensors, tree={})
 
 
 def referenced(manifests: Iterable[Manifest]) -> set[int]:

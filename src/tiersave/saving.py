@@ -34,7 +34,7 @@ from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
 from .format.layout import MAX_STEP, align_up, is_valid_tag, shard_filename
 from .format.manifest import Manifest
 from .handle import SaveHandle
-from .references import CHAIN_STAT, Incremental, chain_of, check_holders, wants_full
+from .references import CHAIN_STAT, Incremental, chain_of, check_holders, rank_base, wants_full
 from .replicated import Selection, assign, check_declaration, normalize_keys, select
 from .state import FlatState, FlatTensor, flatten
 from .storage.base import Storage
@@ -147,8 +147,6 @@ class Saver:
         group: CoordinationGroup | None = None,
         incremental: Incremental | None = None,
     ) -> None:
-        if group is not None and incremental is not None:
-            raise ConfigError("incremental=True is not supported in a collective Checkpointer yet")
         self.group = group
         self.incremental = incremental
         self.rank = group.rank if group is not None else 0
@@ -160,6 +158,8 @@ class Saver:
             me = group.identity
             self.node_ranks = frozenset(i.rank for i in group.identities if i.node_rank == me.node_rank)
             self.node_leader = me.local_rank == 0
+            if incremental is not None:
+                raise ConfigError("incremental=True is not supported on a memory tier spread over several nodes")
         self.storage: Storage = tier.storage
         self.catalog = tier.catalog
         self.commit = tier.commit
@@ -249,8 +249,9 @@ class Saver:
             increment = None
             if self.incremental is not None:
                 base = self._pin_base(request.step, self.incremental.full_every)
-                increment = Increment(self.storage, plan, base)
-                stats.extra[CHAIN_STAT] = chain_of(base)
+                world = self.group.world_size if self.group is not None else 1
+                increment = Increment(self.storage, plan, rank_base(base, self.rank, world))
+                stats.extra[CHAIN_STAT] = chain_of(increment.base)  # None: a base hashed otherwise
             job = StagedWrite(
                 self.storage,
                 prefix,
@@ -367,6 +368,8 @@ class Saver:
         """Clean up a failed save and store its error. The attempt's prefix is removed by its owner: the
         process itself, or rank 0 of a collective save once every rank has cleaned up its own part."""
         self._settle(p.request.step)
+        if self.group is not None and self.incremental is not None:
+            self.force_full = True  # the base may have lost a referenced step: every rank that saw this starts over
         if self.rank == 0 or (self.node_ranks is not None and self.node_leader):
             self._abort_prefix(p.prefix)
         failed = {"step": p.request.step, "outcome": "failed", "time": p.started_wall, "error": str(exc)}
@@ -387,6 +390,7 @@ class Saver:
             tags=request.tags,
             metadata=request.metadata,
             stats=stats.to_json(),
+            content_hash=written.content_hash,
         )
         if p.base is not None:
             try:
@@ -420,6 +424,9 @@ class Saver:
             )
             check_shards_visible(self.storage, p.prefix, manifest, self.node_ranks)
             data = manifest.to_json()
+            if manifest.referenced_steps:  # the ranks' references, parsed as any reader will, and still held
+                Manifest.parse(data, path=f"step {request.step}", expect_step=request.step)
+                check_holders(self.storage, manifest)
             self.commit.commit(p.prefix, request.step, data)
             p.manifest = manifest
             stats.commit_s = time.perf_counter() - t_commit
@@ -429,8 +436,10 @@ class Saver:
                 result["manifest"] = data.decode()
             return result
 
-        part = rank_part(self.rank, written.shards, written.tensors, p.tree, p.replicated)
+        part = rank_part(self.rank, written.shards, written.tensors, p.tree, p.replicated, written.content_hash)
         outcome = self.group.vote(request.step, part, commit=commit if self.rank == 0 else None)
+        if self.incremental is not None:
+            self.last_step = request.step
         if self.rank != 0:
             p.info = CheckpointInfo.from_json(outcome.result)  # type: ignore[arg-type]
             if self.node_ranks is not None and self.node_leader:

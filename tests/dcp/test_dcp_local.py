@@ -394,3 +394,24 @@ def test_a_forged_shard_size_is_caught_before_allocating(root: Path) -> None:
     with pytest.raises(CheckpointException) as exc:
         load(root, {"w": torch.zeros(3), "n": 0})
     assert isinstance(failure(exc), CorruptCheckpointError) and "the manifest says" in str(failure(exc))
+
+
+def test_a_compressed_copy_loads_and_its_damage_is_caught(root: Path, tmp_path: Path) -> None:
+    """A DCP checkpoint drained to a tier with compress="zstd" (format 3.0) loads through the Reader, each frame
+    checked before it is decoded; a flipped stored byte is a typed error, not wrong tensors."""
+    from tiersave.drain import copy_checkpoint
+
+    saved = state(0)
+    save(root, 6, saved, chunk_bytes=4096)  # several frames per shard
+    dst = tmp_path / "zstd"
+    copy_checkpoint(open_storage(str(root)), open_storage(str(dst)), 6, compress="zstd")
+    shard, manifest = shard_of(dst, 6)
+    assert manifest["format_version"].startswith("3.") and "encoding" in manifest["shards"][0]
+    assert_same(saved, load(str(dst), state(1)))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x08
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointException) as exc:
+        load(str(dst), state(1))
+    err = failure(exc)
+    assert isinstance(err, CorruptCheckpointError) and err.step == 6 and "frame" in str(err)

@@ -1,5 +1,6 @@
 """Format 1.2 (content hashes) and 2.0 (shard references), docs/format.md section 9: what a reader accepts
-and the pinned messages of what it refuses."""
+and the pinned messages of what it refuses. The checkpoints here hash with SHA-256 (the versions without
+``checksum.content``); tests/format/test_content_hash.py covers BLAKE3's 1.3, 2.1 and 3.1."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import tiersave
+from tiersave import knobs
 from tiersave.format.manifest import Manifest, ShardInfo, seal, version_for
 
 H = "ab" * 32
@@ -19,7 +21,7 @@ H = "ab" * 32
 def chain(root: Path) -> Path:
     """Steps 1 (full, 1.2) and 2 (2.0, its base-weight shard a reference to step 1's)."""
     state = {"w": torch.randn(3 << 20), "a": torch.zeros(10)}
-    with tiersave.Checkpointer(root, incremental=True) as ckpt:
+    with knobs.override_content_hash("sha256"), tiersave.Checkpointer(root, incremental=True) as ckpt:
         ckpt.save(1, state)
         state["a"] += 1
         ckpt.save(2, state)
@@ -52,7 +54,7 @@ def test_the_chain_is_as_specified(chain):
         (lambda s: s.pop("content"), "shards[0] is a reference to step 1 without content hashes"),
         (lambda s: s["content"].append([4096, H]), "covers"),
         (lambda s: s["content"][0].__setitem__(0, 100), "shards[0].content piece length = 100 is out of range"),
-        (lambda s: s["content"][0].__setitem__(1, "xyz"), "64-hex-digit sha256"),
+        (lambda s: s["content"][0].__setitem__(1, "xyz"), "64-hex-digit hash"),
     ],
 )
 def test_malformed_references_are_refused(chain, edit, fragment):

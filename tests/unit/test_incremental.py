@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tiersave
+from tiersave import knobs
 from tiersave.catalog import Catalog
 from tiersave.cli import main as cli
 from tiersave.format.manifest import Manifest
@@ -68,7 +69,7 @@ def manifest(root: Path | str, step: int) -> Manifest:
 
 def test_unchanged_shards_are_referenced_and_every_step_restores(root):
     state, saved = lora_state(), {}
-    with tiersave.Checkpointer(root, incremental=True) as ckpt:
+    with knobs.override_content_hash("sha256"), tiersave.Checkpointer(root, incremental=True) as ckpt:
         for step in (10, 20, 30):
             train_step(state)
             ckpt.save(step, state).result()
@@ -250,12 +251,14 @@ def test_inspect_shows_bytes_written_and_referenced(root, capsys):
     assert cli(["inspect", str(root), "--step", "2"]) == 0
     text = capsys.readouterr().out
     m = manifest(root, 2)
-    assert "format 2.0" in text and "referenced (held by step 1)" in text
+    assert f"format {m.format_version}" in text and m.format_version in ("2.0", "2.1")
+    assert f"referenced (held by step 1); pieces hashed with {m.content_hash}" in text
     assert cli(["inspect", str(root), "--step", "2", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["referenced_bytes"] == m.referenced_bytes > 0
     assert doc["written_bytes"] == m.stored_bytes - m.referenced_bytes
     assert doc["referenced_steps"] == [1]
+    assert doc["content_hash"] == m.content_hash
 
 
 def test_export_resolves_references(root, tmp_path):

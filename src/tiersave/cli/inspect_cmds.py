@@ -230,7 +230,7 @@ def _increment_line(m: Manifest) -> list[str]:
     steps = ", ".join(map(str, sorted(m.referenced_steps))) or "-"
     return [
         f"  incremental: {human_bytes(m.stored_bytes - m.referenced_bytes)} written, "
-        f"{human_bytes(m.referenced_bytes)} referenced (held by step {steps})"
+        f"{human_bytes(m.referenced_bytes)} referenced (held by step {steps}); pieces hashed with {m.content_hash}"
     ]
 
 
@@ -278,6 +278,7 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
         "written_bytes": m.stored_bytes - m.referenced_bytes,
         "referenced_bytes": m.referenced_bytes,
         "referenced_steps": sorted(m.referenced_steps),
+        "content_hash": m.content_hash if any(s.content for s in m.shards) else None,
         "file_bytes": m.file_bytes,
         "compression_ratio": round(m.stored_bytes / max(1, m.file_bytes), 4),
         "shards": [s.to_json() for s in m.shards],

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..engine.codec import DecodingReader
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -363,6 +364,9 @@ class _Load:
                 info = self.manifest.shards[shard]
                 key = info.key(step_dirname(self.reader.step))
                 blob = self.reader.storage.open_reader(key)
+                if info.encoding is not None:  # a compressed drain: decoded offsets, each frame checked first
+                    where = f"{self.reader.checkpoint_id}, step {self.reader.step}"
+                    blob = DecodingReader(blob, info.encoding, where=where, step=self.reader.step, file=info.file)
                 if blob.size != info.size:
                     blob.close()
                     raise CorruptCheckpointError(

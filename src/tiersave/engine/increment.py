@@ -2,12 +2,13 @@
 
 Every write unit of a save (one checksum chunk of a large tensor, or a group of small tensors) is one *piece*
 of its shard. On the writer threads, right where the CRC-32C is computed, :meth:`Increment.skip` hashes the
-piece with SHA-256 (``hashlib``: SHA-NI where the CPU has it, and it releases the GIL over large buffers, so
-the hashes run in parallel) and,
-when the base checkpoint's shard at the same place holds the same tensors and a piece with the same length and
-hash, the piece is not written. :meth:`Increment.settle` then turns each shard whose every piece matched into a
-reference to the base's shard, and fills the few skipped pieces of a shard that matched only in part from the
-base's copy (hash checked again on the bytes read), so every shard is either referenced whole or written whole.
+piece (BLAKE3 where the ``blake3`` package is installed, else SHA-256; both release the GIL over large
+buffers, so the hashes run in parallel; BLAKE3 takes 2.3x less CPU per byte than SHA-256 even with the SHA
+extensions, see docs/benchmarks.md) and, when the base checkpoint's shard at the same place holds the same
+tensors and a piece with the same length and hash, the piece is not written. :meth:`Increment.settle` then
+turns each shard whose every piece matched into a reference to the base's shard, and fills the few skipped
+pieces of a shard that matched only in part from the base's copy (hash checked again on the bytes read), so
+every shard is either referenced whole or written whole.
 
 Scope: the hashes, the per-piece decision, the settling of shards and the manifest's shard entries of an
 incremental save. Anti-scope: choosing the base checkpoint and keeping it from being deleted (the checkpoint
@@ -16,15 +17,21 @@ level: saving.py, catalog.py), validating references (format/manifest.py), the w
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from ..errors import CorruptCheckpointError
+from .. import knobs
+from ..errors import ConfigError, CorruptCheckpointError
+from ..format import CONTENT_HASHES
 from ..format.layout import step_dirname
 from ..format.manifest import Manifest, ShardInfo
 from ..storage.base import BlobWriter, Storage
+
+log = logging.getLogger(__name__)
 
 
 class Unit(Protocol):
@@ -73,9 +80,45 @@ class SavePlan(Protocol):
 _Signature = tuple[int, tuple[tuple[int, str, str, tuple[int, ...]], ...], tuple[int, ...]]
 
 
-def sha256_hex(pieces: Sequence[memoryview]) -> str:
-    """SHA-256 of the concatenation of ``pieces``, as 64 lowercase hex digits."""
-    h = hashlib.sha256()
+class _Hash(Protocol):
+    def update(self, data: memoryview, /) -> object: ...
+    def hexdigest(self) -> str: ...
+
+
+@functools.cache  # a missing package would otherwise be searched for on every piece
+def _blake3() -> Callable[[], _Hash] | None:
+    try:
+        import blake3
+    except ImportError:
+        return None
+    new: Callable[[], _Hash] = blake3.blake3  # one thread per call: the writer threads are the parallelism
+    return new
+
+
+def content_hash() -> str:
+    """The hash function this process gives new pieces (``TIERSAVE_CONTENT_HASH``; ``auto``: BLAKE3 where the
+    ``blake3`` package is installed, else SHA-256).
+
+    Raises:
+        ConfigError: ``blake3`` is asked for and not installed.
+    """
+    choice = knobs.content_hash()
+    if choice == "sha256":
+        return "sha256"
+    if _blake3() is not None:
+        return "blake3"
+    if choice == "blake3":
+        raise ConfigError("TIERSAVE_CONTENT_HASH=blake3 needs the blake3 package: pip install blake3==1.0.11")
+    return "sha256"
+
+
+def hex_digest(algorithm: str, pieces: Sequence[memoryview]) -> str:
+    """The ``algorithm`` digest (one of ``format.CONTENT_HASHES``, 32 bytes) of the concatenation of
+    ``pieces``, as 64 lowercase hex digits."""
+    new = hashlib.sha256 if algorithm == "sha256" else _blake3()
+    if new is None or algorithm not in CONTENT_HASHES:
+        raise ConfigError(f"content hash {algorithm!r} is not available here (blake3 needs the blake3 package)")
+    h = new()
     for piece in pieces:
         h.update(piece)
     return h.hexdigest()
@@ -101,12 +144,23 @@ class Increment:
     Args:
         storage: the storage of the save and of the base checkpoint (the same root).
         plan: the save's layout.
-        base: the manifest of the earlier checkpoint to reference, or None.
+        base: the manifest of the earlier checkpoint to reference, or None. A base whose pieces were hashed
+            by another function than this process's (:func:`content_hash`) cannot be matched: the save is then
+            a full one (``self.base`` is None), after which the chain goes on with this process's hash.
     """
 
     def __init__(self, storage: Storage, plan: SavePlan, base: Manifest | None) -> None:
         self.storage = storage
         self.plan = plan
+        self.algorithm = content_hash()
+        if base is not None and base.content_hash != self.algorithm and any(s.content for s in base.shards):
+            log.info(
+                "step %d hashed its pieces with %s, this process hashes with %s: the next save is a full one",
+                base.step,
+                base.content_hash,
+                self.algorithm,
+            )
+            base = None
         self.base = base
         nshards = len(plan.shards)
         starts: list[list[tuple[int, int]]] = [[] for _ in range(nshards)]
@@ -141,7 +195,7 @@ class Increment:
         """Hash unit ``u`` (its staged, padded bytes at ``segments`` of ``view``); True when the base holds an
         equal piece at the same place, so the unit need not be written."""
         k = self._piece[(u.shard, u.file_offset)]
-        digest = sha256_hex([view[pos : pos + n] for pos, n in segments])
+        digest = hex_digest(self.algorithm, [view[pos : pos + n] for pos, n in segments])
         self.digests[u.shard][k] = digest
         match = self.matches[u.shard]
         if match is None or self.base is None:
@@ -199,10 +253,10 @@ class Increment:
                 if self.skipped[s][k]:
                     buf = memoryview(bytearray(n))
                     reader.read_into(offset, buf)
-                    if sha256_hex([buf]) != self.digests[s][k]:
+                    if hex_digest(self.algorithm, [buf]) != self.digests[s][k]:
                         raise CorruptCheckpointError(
                             f"step {self.base.step}: shard {source.file} changed since it was written (bytes "
-                            f"{offset}..{offset + n} no longer match their SHA-256); this incremental save "
+                            f"{offset}..{offset + n} no longer match their {self.algorithm}); this incremental save "
                             "cannot reuse them",
                             step=self.base.step,
                             file=source.file,

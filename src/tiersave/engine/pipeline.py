@@ -153,6 +153,7 @@ class Written:
     shards: tuple[ShardInfo, ...]
     tensors: dict[str, TensorEntry]
     chunk_bytes: int
+    content_hash: str = "sha256"  # the hash function of the shards' content pieces (incremental saves)
 
 
 def plan_save(
@@ -520,9 +521,10 @@ class StagedWrite:
         with paused_gc():
             tensors = self._entries()
         shards = tuple(ShardInfo(shard_file(s.file), rank, s.size) for s in plan.shards)
-        if self.increment is not None:
-            shards = self.increment.shard_infos(shards, referenced)
-        return Written(shards, tensors, plan.chunk_bytes)
+        if self.increment is None:
+            return Written(shards, tensors, plan.chunk_bytes)
+        inc = self.increment
+        return Written(inc.shard_infos(shards, referenced), tensors, plan.chunk_bytes, inc.algorithm)
 
     def _entries(self) -> dict[str, TensorEntry]:
         plan, entry, many = self.plan, TensorEntry, self.crcs

@@ -16,5 +16,12 @@ REFERENCE_VERSION_STR = "2.0"
 """A shard is a reference to an earlier step's shard: 1.x readers must refuse it."""
 ENCODED_VERSION_STR = "3.0"
 """A shard is stored compressed (docs/format.md section 10): 1.x and 2.x readers must refuse it."""
-READ_VERSIONS = {1: 2, 2: 0, 3: 0}
+READ_VERSIONS = {1: 3, 2: 1, 3: 1}
 """The majors this reader reads, each with the newest minor whose fields it knows."""
+CONTENT_HASHES = ("sha256", "blake3")
+"""The hash functions of shard pieces (docs/format.md section 9), the first the default. A manifest whose
+pieces use another names it in ``checksum.content`` and is one minor version up (1.3, 2.1, 3.1): readers of
+the minor before ignore the field, which is safe because content hashes only decide what a later
+incremental save may reference, and digests of two different functions never match."""
+NAMED_HASH_MINOR = {1: 3, 2: 1, 3: 1}
+"""Per major, the first minor version that may carry ``checksum.content``."""

@@ -9,8 +9,9 @@ so a flipped bit in a scalar, a string, a dtype or a tensor reference is caught 
 shard. It detects damage, not forgery: whoever can rewrite a manifest can recompute its hash.
 
 Content hashes (1.2) and shard references (2.0), docs/format.md section 9: a shard may carry the SHA-256
-of its pieces (``ShardInfo.content``) and may live in an earlier step's directory (``ShardInfo.step``). The
-version written follows from what the shards use (:func:`version_for`), so a plain checkpoint stays 1.1.
+(or, named in ``checksum.content``, the BLAKE3: 1.3, 2.1, 3.1) of its pieces (``ShardInfo.content``) and
+may live in an earlier step's directory (``ShardInfo.step``). The version written follows from what the
+shards use (:func:`version_for`), so a plain checkpoint stays 1.1.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from typing import Any
 from .._version import __version__
 from ..errors import CorruptCheckpointError, FormatError, UnsupportedFormatVersionError
 from . import (
+    CONTENT_HASHES,
     ENCODED_VERSION_STR,
     FORMAT_NAME,
     FORMAT_VERSION_STR,
     HASHED_VERSION_STR,
+    NAMED_HASH_MINOR,
     READ_VERSIONS,
     REFERENCE_VERSION_STR,
 )
@@ -72,6 +75,7 @@ _SHARD_FIELDS_1_2 = _SHARD_FIELDS | {"content"}
 _SHARD_FIELDS_2_0 = _SHARD_FIELDS_1_2 | {"step"}
 _SHARD_FIELDS_3_0 = _SHARD_FIELDS_2_0 | {"encoding"}
 MANIFEST_HASH_FIELD = "manifest_sha256"
+_CHECKSUM_FIELDS = frozenset({"algorithm", "chunk_bytes"})
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "shard", "offset", "nbytes", "crc32c"})
 
@@ -80,7 +84,8 @@ _TENSOR_FIELDS = frozenset({"dtype", "shape", "shard", "offset", "nbytes", "crc3
 class ShardInfo:
     """One shard file of a checkpoint.
 
-    ``content`` is the shard cut into pieces, each ``(length, SHA-256 hex)`` (empty: not hashed).
+    ``content`` is the shard cut into pieces, each ``(length, hex digest)`` by the manifest's ``content_hash``
+    (empty: not hashed).
     ``step`` is None for a shard in the checkpoint's own directory, else the earlier step whose directory
     holds ``file`` (a reference, format 2.0). ``encoding`` is None for a shard stored as its decoded bytes,
     else how its frames are stored (format 3.0); ``size`` is always the decoded size.
@@ -117,17 +122,25 @@ class ShardInfo:
         return doc
 
 
-def version_for(shards: tuple[ShardInfo, ...], current: str = FORMAT_VERSION_STR) -> str:
+def version_for(
+    shards: tuple[ShardInfo, ...], current: str = FORMAT_VERSION_STR, content_hash: str = CONTENT_HASHES[0]
+) -> str:
     """The format version a manifest with these shards is written as: the lowest that describes them: 3.0
     with a compressed shard, 2.0 with a reference, 1.2 with content hashes, else ``current`` (a 1.x
-    version; the one it was read as) or 1.1."""
+    version; the one it was read as) or 1.1. Content hashes by another function than SHA-256 (``content_hash``)
+    make it the next minor version: 3.1, 2.1, 1.3."""
     if any(s.encoding is not None for s in shards):
-        return ENCODED_VERSION_STR
-    if any(s.step is not None for s in shards):
-        return REFERENCE_VERSION_STR
-    if any(s.content for s in shards):
-        return HASHED_VERSION_STR
-    return current if current.startswith("1.") else FORMAT_VERSION_STR
+        version = ENCODED_VERSION_STR
+    elif any(s.step is not None for s in shards):
+        version = REFERENCE_VERSION_STR
+    elif any(s.content for s in shards):
+        version = HASHED_VERSION_STR
+    else:
+        return current if current.startswith("1.") else FORMAT_VERSION_STR
+    if content_hash != CONTENT_HASHES[0] and any(s.content for s in shards):
+        major = int(version.split(".")[0])
+        return f"{major}.{NAMED_HASH_MINOR[major]}"
+    return version
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +181,8 @@ class Manifest:
     stats: Mapping[str, Any] = field(default_factory=dict)
     format_version: str = FORMAT_VERSION_STR
     library: Mapping[str, Any] = field(default_factory=lambda: {"name": "tiersave", "version": __version__})
+    content_hash: str = CONTENT_HASHES[0]
+    """The hash function of the shards' ``content`` pieces (``checksum.content``; SHA-256 when absent)."""
     manifest_verified: bool = True
     """False for a manifest written before format 1.1, which carries no checksum of its own."""
 
@@ -204,12 +219,12 @@ class Manifest:
     def _to_json(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
-            "format_version": version_for(self.shards, self.format_version),
+            "format_version": version_for(self.shards, self.format_version, self.content_hash),
             "step": self.step,
             "created_at": self.created_at,
             "world_size": self.world_size,
             "library": dict(self.library),
-            "checksum": {"algorithm": ALGORITHM, "chunk_bytes": self.chunk_bytes},
+            "checksum": self._checksum_doc(),
             "shards": [s.to_json() for s in self.shards],
             "tensors": {
                 name: {
@@ -235,6 +250,12 @@ class Manifest:
                 f"{MAX_MANIFEST_BYTES}-byte limit; keep large values in tensors, not in metadata"
             )
         return data
+
+    def _checksum_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"algorithm": ALGORITHM, "chunk_bytes": self.chunk_bytes}
+        if self.content_hash != CONTENT_HASHES[0] and any(s.content for s in self.shards):
+            doc["content"] = self.content_hash  # absent: SHA-256, so 1.2 and 2.0 manifests stay as they were
+        return doc
 
     def validate(self, *, path: str = "") -> None:
         """Run the structural checks of docs/format.md 4.2 (steps 4-8) on this manifest."""
@@ -318,6 +339,7 @@ class _Checker:
         self.path = path
         self.strict_fields = True
         self.shard_fields = _SHARD_FIELDS
+        self.checksum_fields = _CHECKSUM_FIELDS
 
     def fail(self, message: str) -> FormatError:
         return FormatError(f"{self.path}: {message}", path=self.path)
@@ -365,6 +387,8 @@ class _Checker:
             self.shard_fields = _SHARD_FIELDS_2_0
         elif minor >= 2:
             self.shard_fields = _SHARD_FIELDS_1_2
+        if minor >= NAMED_HASH_MINOR.get(major, minor + 1):
+            self.checksum_fields = _CHECKSUM_FIELDS | {"content"}
         return m.group(0)
 
     def build(self, doc: Any) -> Manifest:
@@ -376,17 +400,16 @@ class _Checker:
         created_at = doc["created_at"]
         if not isinstance(created_at, str) or len(created_at) > 64:
             raise self.fail("created_at must be a short string")
-        checksum = self.fields(
-            doc["checksum"],
-            frozenset({"algorithm", "chunk_bytes"}),
-            frozenset({"algorithm", "chunk_bytes"}),
-            "checksum",
-        )
+        checksum = self.fields(doc["checksum"], self.checksum_fields, _CHECKSUM_FIELDS, "checksum")
         if checksum["algorithm"] != ALGORITHM:
             raise self.fail(f"checksum algorithm {checksum['algorithm']!r} is not supported (only crc32c)")
         chunk_bytes = self.int_field(checksum["chunk_bytes"], "checksum.chunk_bytes", lo=ALIGN, hi=MAX_CHUNK_BYTES)
         if chunk_bytes % ALIGN:
             raise self.fail(f"checksum.chunk_bytes {chunk_bytes} is not a multiple of {ALIGN}")
+        content_hash = checksum.get("content", CONTENT_HASHES[0])  # a field only allowed from 1.3, 2.1, 3.1
+        if content_hash not in CONTENT_HASHES:
+            names = ", ".join(CONTENT_HASHES)
+            raise self.fail(f"checksum.content {content_hash!r} is not a content hash this reader knows ({names})")
         world_size = self.int_field(doc["world_size"], "world_size", lo=1, hi=1 << 24)
         library = doc["library"]
         if not isinstance(library, dict):
@@ -429,6 +452,7 @@ class _Checker:
             stats=stats,
             format_version=version,
             library=library,
+            content_hash=content_hash,
         )
         self.check_manifest(manifest)
         return manifest
@@ -457,12 +481,12 @@ class _Checker:
 
     def content(self, raw: Any, size: int, what: str) -> tuple[tuple[int, str], ...]:
         if not isinstance(raw, list):
-            raise self.fail(f"{what} must be an array of [bytes, sha256] pairs")
+            raise self.fail(f"{what} must be an array of [bytes, hash] pairs")
         pieces = []
         for piece in raw:
             ok = isinstance(piece, list) and len(piece) == 2 and isinstance(piece[1], str)
             if not ok or not _SHA256_HEX.match(piece[1]):
-                raise self.fail(f"{what} must be an array of [bytes, 64-hex-digit sha256] pairs")
+                raise self.fail(f"{what} must be an array of [bytes, 64-hex-digit hash] pairs")
             n = self.int_field(piece[0], f"{what} piece length", lo=ALIGN)
             if n % ALIGN:
                 raise self.fail(f"{what} piece length {n} is not a multiple of {ALIGN}")

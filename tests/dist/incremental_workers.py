@@ -1,0 +1,52 @@
+"""Rank programs for tests/dist/test_incremental_dist.py: incremental saves of a collective Checkpointer in
+real processes (gloo on 127.0.0.1). Each rank plays SCENARIO against ``$TIERSAVE_TEST_ROOT`` and writes what it
+saw to ``$TIERSAVE_DIST_OUT/rank<R>.json`` (runner: ckpt_workers.run_rank). Not a test module."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+from ckpt_workers import ROOT, TIMEOUT_S, run_rank
+
+import tiersave
+
+
+def lora(rank: int, step: int) -> dict[str, Any]:
+    """A rank's LoRA-like state at ``step``: a frozen base of 9 MiB (a shard of its own), different on every
+    rank, and a small adapter and data position that change at every step."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return {
+        "base": torch.randn(9 << 18, generator=g),
+        "adapter": torch.full((4096,), float(rank * 100 + step)),
+        "data": {"rank": rank, "position": step * 10 + rank},
+    }
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return bool(
+        torch.equal(a["base"], b["base"]) and torch.equal(a["adapter"], b["adapter"]) and a["data"] == b["data"]
+    )
+
+
+def chain(rank: int, world: int, rec: dict[str, Any]) -> None:
+    """Incremental saves of the steps in ``$STEPS`` (``keep_last=$KEEP``), then the steps ``$RESTORE`` restored
+    (a list of them: rank 0 deletes as it commits, so another rank's listing may still show a deleted step)."""
+    steps = [int(s) for s in os.environ["STEPS"].split(",")]
+    keep = int(os.environ.get("KEEP", "0")) or None
+    with tiersave.Checkpointer(ROOT, incremental=True, keep_last=keep, coordination_timeout_s=TIMEOUT_S) as ckpt:
+        for step in steps:
+            handle = ckpt.save(step, lora(rank, step))
+            rec.setdefault("referenced", {})[str(step)] = handle.stats.extra.get("referenced_bytes", 0)
+        rec["kept"] = [info.step for info in ckpt.list()]
+        restore = [int(s) for s in os.environ["RESTORE"].split(",")]
+        rec["restored"] = {str(step): same(ckpt.restore(step), lora(rank, step)) for step in restore}
+
+
+SCENARIOS = {f.__name__: f for f in (chain,)}
+
+
+if __name__ == "__main__":
+    run_rank(SCENARIOS[sys.argv[1]])

@@ -1,0 +1,109 @@
+"""Incremental saves with many ranks (docs/format.md section 9), in real multi-process jobs (gloo on
+127.0.0.1): each rank references its own unchanged shards of the previous committed checkpoint; retention keeps
+what a kept global manifest references; every step restores bit for bit on every rank; a rank's corrupted
+referenced shard is caught in every checkpoint that uses it; another number of ranks starts a full save."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiersave
+from tiersave.catalog import Catalog
+from tiersave.format.layout import step_dirname
+from tiersave.storage.posix import LocalStorage
+
+pytestmark = pytest.mark.dist
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "incremental_workers.py"
+TIMEOUT = 8.0
+MiB = 1 << 20
+
+
+def run_chain(launch, root: Path, world: int, steps: str, restore: str, keep: int = 0):
+    env = {
+        "TIERSAVE_TEST_ROOT": str(root),
+        "TIERSAVE_DIST_TIMEOUT": str(TIMEOUT),
+        "STEPS": steps,
+        "RESTORE": restore,
+        "KEEP": str(keep),
+    }
+    job = launch("chain", world, env=env, script=SCRIPT, deadline_s=120)
+    for r in range(world):
+        assert "crash" not in job.rank(r), job.rank(r)
+    return job
+
+
+def lora(rank: int, step: int) -> dict:
+    sys.path.insert(0, str(HERE))
+    from incremental_workers import lora
+
+    return lora(rank, step)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_references_its_own_shards_and_every_kept_step_restores(launch, tmp_path, world):
+    root = tmp_path / "ckpt"
+    job = run_chain(launch, root, world, "1,2,3,4", "1,3,4", keep=2)
+    # retention (rank 0's) kept the two newest and step 1, whose base shards they reference
+    assert job.rank(0)["kept"] == [1, 3, 4]
+    for r in range(world):
+        rec = job.rank(r)
+        assert rec["restored"] == {"1": True, "3": True, "4": True}, rec
+        assert rec["referenced"]["1"] == 0
+        assert all(rec["referenced"][s] >= 9 * MiB for s in ("2", "3", "4")), rec
+    catalog = Catalog(LocalStorage(root))
+    first, last = catalog.manifest(1), catalog.manifest(4)
+    assert last.world_size == world and last.referenced_steps == {1}
+    held = {(s.rank, s.file): s for s in first.shards}
+    refs = [s for s in last.shards if s.step is not None]
+    assert sorted(s.rank for s in refs) == list(range(world))  # one base shard per rank, each its own
+    for ref in refs:
+        assert ref.file.startswith(f"shard-{ref.rank:05d}-")
+        assert held[(ref.rank, ref.file)].content == ref.content
+    assert not (root / step_dirname(2)).exists()
+    for step in (1, 3, 4):
+        report = catalog.verify(step)
+        assert report.ok, report.errors
+    with tiersave.Checkpointer(root, event_log=False, handle_sigterm=False) as reader:
+        for r in range(world):
+            got, expected = reader.restore(4, rank=r), lora(r, 4)
+            assert torch.equal(got["base"], expected["base"]) and torch.equal(got["adapter"], expected["adapter"])
+
+
+def test_a_ranks_corrupted_referenced_shard_is_caught_in_every_checkpoint_using_it(launch, tmp_path):
+    root = tmp_path / "ckpt"
+    run_chain(launch, root, 2, "1,2,3", "3")
+    catalog = Catalog(LocalStorage(root))
+    (shard,) = (s for s in catalog.manifest(3).shards if s.step is not None and s.rank == 1)
+    path = root / step_dirname(1) / shard.file
+    data = bytearray(path.read_bytes())
+    data[4096] ^= 0x40
+    path.write_bytes(bytes(data))
+    for step in (1, 2, 3):
+        report = catalog.verify(step)
+        assert not report.ok and any(shard.file in e for e in report.errors), (step, report.errors)
+    with tiersave.Checkpointer(root, event_log=False, handle_sigterm=False) as reader:
+        for step in (2, 3):
+            with pytest.raises(tiersave.CorruptCheckpointError, match=shard.file):
+                reader.restore(step, rank=1)
+            assert torch.equal(reader.restore(step, rank=0)["adapter"], lora(0, step)["adapter"])
+
+
+def test_another_number_of_ranks_saves_in_full_then_references_again(launch, tmp_path):
+    root = tmp_path / "ckpt"
+    run_chain(launch, root, 2, "1,2", "2")
+    job = run_chain(launch, root, 3, "3,4", "3,4")
+    catalog = Catalog(LocalStorage(root))
+    three, four = catalog.manifest(3), catalog.manifest(4)
+    assert three.world_size == 3 and not three.referenced_steps  # 2-rank shards hold other ranks' state
+    assert four.referenced_steps == {3}
+    for r in range(3):
+        rec = job.rank(r)
+        assert rec["referenced"]["3"] == 0 and rec["referenced"]["4"] >= 9 * MiB, rec
+        assert rec["restored"] == {"3": True, "4": True}, rec
+    assert catalog.manifest(2).referenced_steps == {1}  # the 2-rank chain is untouched and still restores
