@@ -18,7 +18,9 @@ Usage::
     PYTHONPATH=src .venv/bin/python benchmarks/many_tensors.py --counts 2000 20000 100000 --moe-mb 1024
     PYTHONPATH=src .venv/bin/python benchmarks/many_tensors.py --counts 20000 --profile save
 
-``--async-only`` measures only the ``save_async`` stall and its split (flatten / layout and plan / copies),
+``--restore-only`` measures only restores, into a new tree and into a live state (in place); with
+``--moe-mb`` it compares the MoE-like state with the same bytes in a few tensors, as the MoE restore target
+asks. ``--async-only`` measures only the ``save_async`` stall and its split (flatten / layout and plan / copies),
 for quick runs comparing two versions of the code in alternating processes. ``--profile save|async|restore``
 runs cProfile on one extra operation of the largest count and prints the functions with the most own time.
 """
@@ -75,12 +77,17 @@ class Case:
         os.makedirs(self.ckpt_dir, exist_ok=True)
         self.ck = tiersave.Checkpointer(self.ckpt_dir, keep_last=2, event_log=False, handle_sigterm=False)
         self.step = 0
+        self.live: dict[str, torch.Tensor] | None = None  # the live state of "restore.into", made once
         self.ck.save(self.step, self.state)  # warm: the staging arena exists from here on
 
     def record(self, method: str, seconds: float) -> None:
         self.samples.setdefault(method, []).append(seconds)
 
-    def run_once(self, async_only: bool = False) -> None:
+    def run_once(self, async_only: bool = False, restore_only: bool = False) -> None:
+        if restore_only:
+            self.record("restore", self._restore())
+            self.record("restore.into", self._restore(into=True))
+            return
         if not async_only:
             self.step += 1
             t0 = time.perf_counter()
@@ -114,11 +121,13 @@ class Case:
         torch.load(self.torch_file, weights_only=True)
         self.record("torch.load", time.perf_counter() - t0)
 
-    def _restore(self) -> float:
+    def _restore(self, into: bool = False) -> float:
         reader = tiersave.Checkpointer(self.ckpt_dir, event_log=False, handle_sigterm=False)
+        if into and self.live is None:
+            self.live = {k: torch.empty_like(v) for k, v in self.state.items()}
         try:
             t0 = time.perf_counter()
-            reader.restore(self.step)
+            reader.restore(self.step, into=self.live if into else None)
             return time.perf_counter() - t0
         finally:
             reader.close()
@@ -168,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="measure only how long save_async blocks (and its split): quick runs to compare two versions",
     )
+    p.add_argument(
+        "--restore-only",
+        action="store_true",
+        help="measure only restore into a new tree and into a live state (restore.into, in place)",
+    )
     args = p.parse_args(argv)
     warnings.simplefilter("ignore")
     root = tempfile.mkdtemp(prefix="many-tensors-", dir=args.dir)
@@ -179,8 +193,28 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(Case("few-large", few_state(args.moe_mb), root))
         for r in range(args.runs):
             for case in cases:
-                case.run_once(args.async_only)
+                case.run_once(args.async_only, args.restore_only)
             print(f"run {r + 1}/{args.runs} done", file=sys.stderr)
+        if args.restore_only:
+            for case in cases:
+                print(
+                    f"{case.label}: restore {fmt(case.median('restore')).strip()}, into a live state "
+                    f"{fmt(case.median('restore.into')).strip()} (runs: "
+                    + ", ".join(
+                        f"{a:.3f}/{b:.3f}" for a, b in zip(case.samples["restore"], case.samples["restore.into"])
+                    )
+                    + ")"
+                )
+            by_label = {c.label: c for c in cases}
+            if args.moe_mb:
+                moe, few = by_label[f"moe-{args.expert_mib}MiB"], by_label["few-large"]
+                print(
+                    f"MoE-like vs few large: restore {moe.median('restore') / few.median('restore'):.2f}x, "
+                    f"into a live state {moe.median('restore.into') / few.median('restore.into'):.2f}x"
+                )
+            for case in cases:
+                case.close()
+            return 0
         methods = ["save", "torch.save", "async", "restore", "torch.load"]
         if args.async_only:
             for case in cases:
