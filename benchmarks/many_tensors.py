@@ -158,6 +158,38 @@ def profile(case: Case, what: str, top: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
+def plot(cases: list[Case], path: str, note: str) -> None:
+    """Time per tensor (medians) against the number of tensors, log-log: flat lines mean a constant cost
+    per tensor; a rising one, a cost that grows with the state."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = [len(c.state) for c in cases]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for method, label in [
+        ("save", "save (blocking)"),
+        ("async", "save_async blocked"),
+        ("restore", "restore"),
+        ("torch.save", "torch.save + fsync"),
+        ("torch.load", "torch.load"),
+    ]:
+        per = [c.median(method) / len(c.state) * 1e6 for c in cases]
+        ax.plot(counts, per, marker="o", linestyle="--" if method.startswith("torch") else "-", label=label)
+    ax.axhline(5, color="grey", linewidth=0.8, linestyle=":", label="5 us target (save_async)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tensors of 1 KiB in the state")
+    ax.set_ylabel("us per tensor (median)")
+    ax.set_title(f"Time per tensor, benchmarks/many_tensors.py ({note})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def fmt(seconds: float) -> str:
     return f"{seconds * 1e3:9.1f} ms" if seconds < 10 else f"{seconds:9.2f} s "
 
@@ -170,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--json", default=None, help="write the samples to this file")
+    p.add_argument("--plot", default=None, help="write a PNG of time per tensor against the count of 1 KiB tensors")
     p.add_argument("--profile", choices=["save", "async", "restore"], default=None)
     p.add_argument("--top", type=int, default=25)
     p.add_argument(
@@ -263,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                     for c in small
                 )
             )
+        if args.plot and small:
+            plot(small, args.plot, f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
         by = {c.label: c for c in cases}
         if args.moe_mb:
             moe, few = by[f"moe-{args.expert_mib}MiB"], by["few-large"]
