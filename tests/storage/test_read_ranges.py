@@ -1,14 +1,14 @@
 """LocalBlobReader.read_ranges and storage.posix.vectored: a run of consecutive ranges read with a few large
 vectored requests, byte-exact for every mix of aligned and unaligned buffers, odd lengths, padding and gaps,
 direct and buffered; the file ending early, overlapping ranges and a refused direct read. On the ext4 work
-disk (tmp_path), where O_DIRECT enforces alignment."""
+disk (tmp_path), where O_DIRECT enforces alignment. Every storage here is opened with a forced path (io=
+"direct" or "buffered"), so no calibration is read or run."""
 
 from __future__ import annotations
 
 import errno
 import os
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,18 +18,7 @@ from tiersave.errors import CorruptCheckpointError
 from tiersave.storage.base import RangesReader
 from tiersave.storage.posix import LocalStorage, filesystem_type, vectored
 from tiersave.storage.posix.buffers import address_of, aligned_buffer
-from tiersave.storage.posix.calibration import forget_calibrations
 from tiersave.storage.posix.directio import BouncePool, DioAlignment, pread_direct
-
-
-@pytest.fixture(autouse=True)
-def no_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
-    monkeypatch.setenv("TIERSAVE_IO_CALIBRATE", "0")
-    monkeypatch.delenv("TIERSAVE_IO", raising=False)
-    forget_calibrations()
-    yield
-    forget_calibrations()
 
 
 @pytest.fixture

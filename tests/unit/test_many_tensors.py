@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import uuid
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,20 +139,27 @@ def test_live_restore_into_many_small_tensors(tmp_path) -> None:
     assert all(live[k].data_ptr() == ptrs[k] and torch.equal(live[k], state[k]) for k in state)
 
 
-def test_corrupt_small_tensor_inside_a_group_is_named(tmp_path) -> None:
-    state = {f"w{i}": torch.randn(64) for i in range(5000)}
+def _save_and_flip_a_bit(tmp_path, state: dict, victim: str, where: Callable[[dict], int]) -> Path:
+    """Save ``state`` as step 1, then flip one bit of ``victim``'s bytes at ``where(its manifest entry)``;
+    returns the shard file."""
     with Checkpointer(tmp_path, event_log=False, handle_sigterm=False) as ck:
         ck.save(1, state)
     step_dir = next(tmp_path.glob("step-*"))
     manifest = json.loads((step_dir / "manifest.json").read_text())
-    victim = "w2345"
     entry = manifest["tensors"][victim]
     shard = step_dir / manifest["shards"][entry["shard"]]["file"]
     with open(shard, "r+b") as f:
-        f.seek(entry["offset"] + 17)
+        f.seek(where(entry))
         byte = f.read(1)
-        f.seek(entry["offset"] + 17)
+        f.seek(where(entry))
         f.write(bytes([byte[0] ^ 0x40]))
+    return shard
+
+
+def test_corrupt_small_tensor_inside_a_group_is_named(tmp_path) -> None:
+    state = {f"w{i}": torch.randn(64) for i in range(5000)}
+    victim = "w2345"
+    _save_and_flip_a_bit(tmp_path, state, victim, lambda entry: entry["offset"] + 17)
     with Checkpointer(tmp_path, event_log=False, handle_sigterm=False) as ck, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(CorruptCheckpointError) as info:
@@ -276,18 +285,9 @@ def test_medium_tensors_are_read_in_few_requests(tmp_path, monkeypatch: pytest.M
 
 def test_corrupt_medium_tensor_inside_a_run_is_named(tmp_path) -> None:
     state = _moe_state()
-    with Checkpointer(tmp_path, event_log=False, handle_sigterm=False) as ck:
-        ck.save(1, state)
-    step_dir = next(tmp_path.glob("step-*"))
-    manifest = json.loads((step_dir / "manifest.json").read_text())
     victim = "layers.1.experts.5.w"
-    entry = manifest["tensors"][victim]
-    shard = step_dir / manifest["shards"][entry["shard"]]["file"]
-    with open(shard, "r+b") as f:
-        f.seek(entry["offset"] + entry["nbytes"] - 3)  # in its unaligned tail, read through a bounce
-        byte = f.read(1)
-        f.seek(entry["offset"] + entry["nbytes"] - 3)
-        f.write(bytes([byte[0] ^ 0x01]))
+    # in its unaligned tail, which is read through a bounce buffer
+    shard = _save_and_flip_a_bit(tmp_path, state, victim, lambda entry: entry["offset"] + entry["nbytes"] - 3)
     with Checkpointer(tmp_path, event_log=False, handle_sigterm=False) as ck, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for into in (None, {k: torch.zeros_like(v) for k, v in state.items()}):
