@@ -7,10 +7,11 @@ between ranges) goes through bounce buffers and is copied out. Anti-scope: choos
 (:mod:`tiersave.storage.posix.policy`), the single-range path (:func:`~tiersave.storage.posix.directio.pread_direct`),
 checksums (the engine).
 
-Why: a device serves one large request much faster than many medium ones with the same bytes in flight
-(here 384 reads of 4 MiB from four threads: 1.0 GB/s; the same bytes as 24 reads of 64 MiB, or as 4 MiB
-buffers 16 to a ``preadv``: 1.8 GB/s), so a state of many expert tensors of a few MiB was read about half
-as fast as the same bytes held in a few large tensors.
+Why: a run of experts becomes a few jobs and requests instead of one per tensor. End to end, a restore of
+256 experts of 4 MiB went from 1.19x to 0.94x the time of the same bytes in four tensors (docs/benchmarks.md,
+"Many tensors: the MoE restore"); how much of that the device itself gives varies: in one run here it served
+4 MiB requests from four threads at 1.0 GB/s and 64 MiB ones (or 4 MiB buffers 16 to a ``preadv``) at 1.8
+GB/s, in three later runs all three at the same rate (``benchmarks/vectored_reads.py``).
 """
 
 from __future__ import annotations
