@@ -18,7 +18,9 @@ Usage::
     PYTHONPATH=src .venv/bin/python benchmarks/many_tensors.py --counts 2000 20000 100000 --moe-mb 1024
     PYTHONPATH=src .venv/bin/python benchmarks/many_tensors.py --counts 20000 --profile save
 
-``--async-only`` measures only the ``save_async`` stall and its split (flatten / layout and plan / copies),
+``--restore-only`` measures only restores, into a new tree and into a live state (in place); with
+``--moe-mb`` it compares the MoE-like state with the same bytes in a few tensors, as the MoE restore target
+asks. ``--async-only`` measures only the ``save_async`` stall and its split (flatten / layout and plan / copies),
 for quick runs comparing two versions of the code in alternating processes. ``--profile save|async|restore``
 runs cProfile on one extra operation of the largest count and prints the functions with the most own time.
 """
@@ -75,12 +77,17 @@ class Case:
         os.makedirs(self.ckpt_dir, exist_ok=True)
         self.ck = tiersave.Checkpointer(self.ckpt_dir, keep_last=2, event_log=False, handle_sigterm=False)
         self.step = 0
+        self.live: dict[str, torch.Tensor] | None = None  # the live state of "restore.into", made once
         self.ck.save(self.step, self.state)  # warm: the staging arena exists from here on
 
     def record(self, method: str, seconds: float) -> None:
         self.samples.setdefault(method, []).append(seconds)
 
-    def run_once(self, async_only: bool = False) -> None:
+    def run_once(self, async_only: bool = False, restore_only: bool = False) -> None:
+        if restore_only:
+            self.record("restore", self._restore())
+            self.record("restore.into", self._restore(into=True))
+            return
         if not async_only:
             self.step += 1
             t0 = time.perf_counter()
@@ -114,11 +121,13 @@ class Case:
         torch.load(self.torch_file, weights_only=True)
         self.record("torch.load", time.perf_counter() - t0)
 
-    def _restore(self) -> float:
+    def _restore(self, into: bool = False) -> float:
         reader = tiersave.Checkpointer(self.ckpt_dir, event_log=False, handle_sigterm=False)
+        if into and self.live is None:
+            self.live = {k: torch.empty_like(v) for k, v in self.state.items()}
         try:
             t0 = time.perf_counter()
-            reader.restore(self.step)
+            reader.restore(self.step, into=self.live if into else None)
             return time.perf_counter() - t0
         finally:
             reader.close()
@@ -149,6 +158,38 @@ def profile(case: Case, what: str, top: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
+def plot(cases: list[Case], path: str, note: str) -> None:
+    """Time per tensor (medians) against the number of tensors, log-log: flat lines mean a constant cost
+    per tensor; a rising one, a cost that grows with the state."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = [len(c.state) for c in cases]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for method, label in [
+        ("save", "save (blocking)"),
+        ("async", "save_async blocked"),
+        ("restore", "restore"),
+        ("torch.save", "torch.save + fsync"),
+        ("torch.load", "torch.load"),
+    ]:
+        per = [c.median(method) / len(c.state) * 1e6 for c in cases]
+        ax.plot(counts, per, marker="o", linestyle="--" if method.startswith("torch") else "-", label=label)
+    ax.axhline(5, color="grey", linewidth=0.8, linestyle=":", label="5 us target (save_async)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tensors of 1 KiB in the state")
+    ax.set_ylabel("us per tensor (median)")
+    ax.set_title(f"Time per tensor, benchmarks/many_tensors.py ({note})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def fmt(seconds: float) -> str:
     return f"{seconds * 1e3:9.1f} ms" if seconds < 10 else f"{seconds:9.2f} s "
 
@@ -161,12 +202,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--json", default=None, help="write the samples to this file")
+    p.add_argument("--plot", default=None, help="write a PNG of time per tensor against the count of 1 KiB tensors")
     p.add_argument("--profile", choices=["save", "async", "restore"], default=None)
     p.add_argument("--top", type=int, default=25)
     p.add_argument(
         "--async-only",
         action="store_true",
         help="measure only how long save_async blocks (and its split): quick runs to compare two versions",
+    )
+    p.add_argument(
+        "--restore-only",
+        action="store_true",
+        help="measure only restore into a new tree and into a live state (restore.into, in place)",
     )
     args = p.parse_args(argv)
     warnings.simplefilter("ignore")
@@ -179,8 +226,28 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(Case("few-large", few_state(args.moe_mb), root))
         for r in range(args.runs):
             for case in cases:
-                case.run_once(args.async_only)
+                case.run_once(args.async_only, args.restore_only)
             print(f"run {r + 1}/{args.runs} done", file=sys.stderr)
+        if args.restore_only:
+            for case in cases:
+                print(
+                    f"{case.label}: restore {fmt(case.median('restore')).strip()}, into a live state "
+                    f"{fmt(case.median('restore.into')).strip()} (runs: "
+                    + ", ".join(
+                        f"{a:.3f}/{b:.3f}" for a, b in zip(case.samples["restore"], case.samples["restore.into"])
+                    )
+                    + ")"
+                )
+            by_label = {c.label: c for c in cases}
+            if args.moe_mb:
+                moe, few = by_label[f"moe-{args.expert_mib}MiB"], by_label["few-large"]
+                print(
+                    f"MoE-like vs few large: restore {moe.median('restore') / few.median('restore'):.2f}x, "
+                    f"into a live state {moe.median('restore.into') / few.median('restore.into'):.2f}x"
+                )
+            for case in cases:
+                case.close()
+            return 0
         methods = ["save", "torch.save", "async", "restore", "torch.load"]
         if args.async_only:
             for case in cases:
@@ -229,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                     for c in small
                 )
             )
+        if args.plot and small:
+            plot(small, args.plot, f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
         by = {c.label: c for c in cases}
         if args.moe_mb:
             moe, few = by[f"moe-{args.expert_mib}MiB"], by["few-large"]

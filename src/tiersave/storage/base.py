@@ -23,7 +23,7 @@ A ``BlobReader`` accepts concurrent ``read_into`` calls.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -85,6 +85,15 @@ class BlobReader(Protocol):
         """Fill ``out`` with the bytes at ``[offset, offset + len(out))``; raises if the object is shorter."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class RangesReader(Protocol):
+    """A :class:`BlobReader` that can also fill many ranges in one call (optional: the engine reads range by
+    range from readers without it)."""
+
+    def read_ranges(self, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill each ``(offset, out)`` (sorted by offset, not overlapping); raises if the object is shorter."""
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ...errors import CorruptCheckpointError, StorageError
@@ -33,6 +33,7 @@ from .directio import (
 )
 from .files import os_errors, read_all, write_all
 from .policy import Decision, IOPolicy, IOStats
+from .vectored import pread_ranges_direct
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +304,52 @@ class LocalBlobReader:
             else:  # no direct descriptor: say why in the statistics
                 self.io_stats.note(self._storage.io_policy.decide("read", n, aligned=False).reason)
             read_all(self._fd, view, offset, self.key)
+            self.io_stats.record("buffered", n, time.perf_counter() - start)
+
+    def read_ranges(self, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill each ``(offset, out)`` of ``ranges`` (sorted by offset, not overlapping) with the file's bytes.
+
+        Direct, a run of consecutive ranges is read with a few large vectored requests (in place where a
+        buffer is aligned) instead of one request per range; buffered, range by range.
+        """
+        views = [(off, out.cast("B") if out.format != "B" or out.ndim != 1 else out) for off, out in ranges]
+        views = [(off, v) for off, v in views if len(v)]
+        if not views:
+            return
+        n = sum(len(v) for _, v in views)
+        with os_errors(self._storage.uri, "reading", self.key):
+            dfd = self._dfd
+            start = time.perf_counter()
+            if dfd is not None:
+                off0, first = views[0]
+                head, _, _ = split_aligned(off0, len(first), self._align.offset)
+                aligned = (address_of(first) + head) % self._align.memory == 0
+                policy = self._storage.io_policy
+                decision = policy.decide("read", n, aligned=aligned)
+                self.io_stats.note(decision.reason)
+                if decision.path == "direct":
+                    try:
+                        in_place, bounced, end = pread_ranges_direct(dfd, views, self._align, self._storage.bounce_pool)
+                    except OSError as exc:
+                        if not is_refusal(exc):
+                            raise
+                        policy.mark_refused(f"{exc.strerror} on a direct read")
+                    else:
+                        want = views[-1][0] + len(views[-1][1])
+                        if end < want:
+                            raise CorruptCheckpointError(
+                                f"{self.key!r} ends before byte {want} (read stopped at {end})", file=self.key
+                            )
+                        seconds = time.perf_counter() - start
+                        if bounced:
+                            self.io_stats.record("direct-bounce", bounced, seconds * bounced / n)
+                        if in_place:
+                            self.io_stats.record("direct", in_place, seconds * in_place / n)
+                        return
+            else:
+                self.io_stats.note(self._storage.io_policy.decide("read", n, aligned=False).reason)
+            for off, view in views:
+                read_all(self._fd, view, off, self.key)
             self.io_stats.record("buffered", n, time.perf_counter() - start)
 
     def fileno(self) -> int:
