@@ -221,3 +221,60 @@ def test_a_dead_or_stopped_readers_lease_stops_holding_its_step(tier, tmp_path, 
             if signal_ == signal.SIGSTOP:
                 reader.send_signal(signal.SIGCONT)
             reader.wait(timeout=30)
+
+
+_EXEC = textwrap.dedent(
+    """
+    import os, sys, time
+    root, step, started, go = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    open(started, "w").write(str(step))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sys.exit(0 if os.path.exists(os.path.join(root, "step-%010d" % step, "manifest.json")) else 3)
+    """
+)
+
+
+def test_watch_exec_holds_a_lease_on_the_checkpoint_while_the_command_runs(tmp_path):
+    root, started, go, script = tmp_path / "root", tmp_path / "started", tmp_path / "go", tmp_path / "cmd.py"
+    script.write_text(_EXEC)
+    with tiersave.Checkpointer(root, keep_last=1, event_log=False) as writer:
+        writer.save(1, {"w": torch.ones(8)})
+        command = f"{sys.executable} {script} {root} {{step}} {started} {go}"
+        watcher = subprocess.Popen(
+            [sys.executable, "-m", "tiersave.cli", "watch", str(root), "--all", "--count", "1", "--exec", command],
+            env={**os.environ, "PYTHONPATH": SRC},
+            stderr=subprocess.PIPE,
+        )
+        try:
+            _wait_for(started, watcher, "the --exec command")
+            for step in (2, 3, 4):  # keep_last=1: step 1 would be gone at once
+                writer.save(step, {"w": torch.ones(8)})
+            assert writer.catalog.steps() == [1, 4]
+            go.touch()
+            assert watcher.wait(timeout=60) == 0, watcher.stderr.read().decode()[-2000:] if watcher.stderr else ""
+        finally:
+            go.touch()
+            if watcher.poll() is None:
+                watcher.kill()
+                watcher.wait(timeout=30)
+        writer.save(5, {"w": torch.ones(8)})  # the command ended, and with it the lease
+        assert writer.catalog.steps() == [5]
+
+
+def test_a_watch_loop_body_holds_the_checkpoint_it_was_given(tmp_path):
+    root = tmp_path / "root"
+    with tiersave.Checkpointer(root, keep_last=1, event_log=False) as writer:
+        writer.save(1, {"w": torch.ones(8)})
+        feed = tiersave.watch(root, include_existing=True, poll_s=0.02, timeout_s=30)
+        info = next(feed)
+        writer.save(2, {"w": torch.ones(8)})
+        writer.save(3, {"w": torch.ones(8)})
+        assert writer.catalog.steps() == [1, 3]  # the loop body still handles step 1
+        assert next(feed).step == 3  # the next turn of the loop releases it
+        writer.save(4, {"w": torch.ones(8)})
+        assert info.step not in writer.catalog.steps()
+        feed.close()  # type: ignore[attr-defined]
+        writer.save(5, {"w": torch.ones(8)})
+        assert writer.catalog.steps() == [5]
