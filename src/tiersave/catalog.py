@@ -372,9 +372,10 @@ class Catalog:
     # -- reading ----------------------------------------------------------------------------------
 
     def open(self, step: int) -> OpenCheckpoint:
-        """``step`` opened for reading under a read lease (leases.py), held until the checkpoint is closed."""
-        manifest = self.manifest(step)  # never changes once committed; the lease checks that it still is
-        return OpenCheckpoint(self.storage, manifest, step_dirname(step), self.leases.take(step))
+        """``step`` opened for reading under a read lease (leases.py) on it and on the steps it references,
+        held until the checkpoint is closed (a committed manifest never changes: the lease checks it still is)."""
+        m = self.manifest(step)
+        return OpenCheckpoint(self.storage, m, step_dirname(step), self.leases.take(step, m.referenced_steps))
 
     def verify(
         self, step: int, *, executor: Executor | None = None, progress: Callable[[int, int], None] | None = None

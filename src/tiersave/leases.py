@@ -105,6 +105,7 @@ class ReadLease:
         self.holder = holder
         self._lock = threading.Lock()  # a renewal never re-creates a released lease
         self._released = False
+        self.also: list[ReadLease] = []  # the leases of the steps it references, released with it
         self._renewed = time.monotonic()
 
     def renew(self) -> None:
@@ -132,6 +133,8 @@ class ReadLease:
             if self._released:
                 return
             self._released = True
+        for other in self.also:
+            other.release()
         _RENEWER.discard(self)
         try:
             self.storage.delete(self.key)
@@ -208,13 +211,28 @@ class LeaseStore:
 
     # -- readers ----------------------------------------------------------------------------------
 
-    def take(self, step: int) -> ReadLease | None:
-        """Lease ``step`` for reading; None (a warning, once per root) where no lease can be written (a
-        read-only root): the read then goes on unprotected, as before leases existed.
+    def take(self, step: int, referenced: Collection[int] = ()) -> ReadLease | None:
+        """Lease ``step`` for reading, and the ``referenced`` steps whose shards it reads (an incremental
+        checkpoint's bases), released together; None (a warning, once per root) where no lease can be
+        written (a read-only root): the read then goes on unprotected, as before leases existed.
 
         Raises:
-            CheckpointNotFoundError: ``step`` is not committed, or retention is deleting it.
+            CheckpointNotFoundError: ``step`` (or a referenced step) is not committed, or retention is deleting it.
         """
+        lease = self._take(step)
+        if lease is None:
+            return None
+        try:
+            for base in sorted(set(referenced) - {step}):
+                also = self._take(base)
+                if also is not None:
+                    lease.also.append(also)
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def _take(self, step: int) -> ReadLease | None:
         holder = LockHolder.mine(float(read_lease_ttl_s()))
         host = _HOST.sub("_", holder.host)[:64]
         key = f"{self._dir(step)}/read-{host}-{holder.pid}-{new_token()}.json"

@@ -271,3 +271,22 @@ def test_retention_removes_the_lease_folders_of_deleted_steps(root):
     assert prune(root) == [1, 2]
     assert sorted(os.listdir(root / LEASES_PREFIX)) == ["step-0000000003"]
     assert LeaseStore(LocalStorage(root)).leased() == {}
+
+
+def test_a_reader_of_an_incremental_checkpoint_keeps_the_step_it_references(root):
+    g = torch.Generator().manual_seed(0)
+    state = {"base": torch.randn(2048, 1024, generator=g), "lora": torch.zeros(64, 64)}
+    with tiersave.Checkpointer(root, incremental=True) as writer:
+        writer.save(1, state)
+        state["lora"] += 1
+        writer.save(2, state)
+    assert Catalog(LocalStorage(root)).manifest(2).referenced_steps == {1}
+    with tiersave.Checkpointer(root) as writer:
+        writer.save(3, {"other": torch.ones(8)})  # a full save: nothing references 1 or 2 any more
+    with Catalog(LocalStorage(root)).open(2) as ckpt:  # its base weights are read from step 1's shard
+        assert prune(root) == []  # both the step read and the step whose shards it reads stay
+        assert sorted(Catalog(LocalStorage(root)).leases.leased()) == [1, 2]
+        report = Catalog(LocalStorage(root)).verify(2)
+        assert report.ok, report.errors
+        assert ckpt.step == 2
+    assert prune(root) == [1, 2]
