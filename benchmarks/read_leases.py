@@ -45,7 +45,7 @@ def measure(uri: str, mb: int, reps: int, ops: int) -> dict[str, float]:
     with tiersave.Checkpointer(storage, event_log=False) as writer:
         writer.save(1, {"w": torch.randn(mb << 18)})
     leased, unleased = Catalog(storage), Catalog(storage)
-    unleased.leases.take = lambda step: None  # type: ignore[method-assign]
+    unleased.leases.take = lambda step, referenced=(): None  # type: ignore[method-assign]
 
     def lease() -> None:
         taken = leased.leases.take(1)
