@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import re
 import threading
 import time
@@ -136,6 +137,8 @@ class ReadLease:
         for other in self.also:
             other.release()
         _RENEWER.discard(self)
+        if self.holder.pid != os.getpid():  # a forked child's copy: the lease is its parent's to remove
+            return
         try:
             self.storage.delete(self.key)
         except StorageError as exc:
@@ -194,9 +197,16 @@ class _Renewer:
         for lease in held:
             lease.release()
 
+    def forget(self) -> None:
+        """In a forked child: the leases are the parent's (renewed and removed by it), and no thread runs."""
+        self._lock = threading.Lock()
+        self._leases = set()
+        self._thread = None
+
 
 _RENEWER = _Renewer()
 atexit.register(_RENEWER.release_all)
+os.register_at_fork(after_in_child=_RENEWER.forget)
 _WARNED: set[str] = set()  # roots where a lease could not be written: warned once per process
 
 

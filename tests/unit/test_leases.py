@@ -290,3 +290,21 @@ def test_a_reader_of_an_incremental_checkpoint_keeps_the_step_it_references(root
         assert report.ok, report.errors
         assert ckpt.step == 2
     assert prune(root) == [1, 2]
+
+
+def test_a_forked_child_never_removes_its_parents_lease(root):
+    from tiersave.leases import _RENEWER
+
+    saved(root, range(1, 3))
+    with Catalog(LocalStorage(root)).open(1) as ckpt:
+        pid = os.fork()
+        if pid == 0:  # the child closes what it inherited and ends as an interpreter exit would
+            try:
+                ckpt.close()
+                _RENEWER.release_all()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert [name for name in lease_files(root) if name.startswith("step-0000000001/read-")]
+        assert prune(root) == []
+    assert prune(root) == [1]
