@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from .errors import (
     CheckpointNotFoundError,
     FormatError,
+    NoSpaceError,
     ObjectNotFoundError,
     PermissionDeniedError,
     StorageError,
@@ -224,7 +225,7 @@ class LeaseStore:
     def take(self, step: int, referenced: Collection[int] = ()) -> ReadLease | None:
         """Lease ``step`` for reading, and the ``referenced`` steps whose shards it reads (an incremental
         checkpoint's bases), released together; None (a warning, once per root) where no lease can be
-        written (a read-only root): the read then goes on unprotected, as before leases existed.
+        written (a read-only or full root): the read then goes on unprotected, as before leases existed.
 
         Raises:
             CheckpointNotFoundError: ``step`` (or a referenced step) is not committed, or retention is deleting it.
@@ -248,7 +249,7 @@ class LeaseStore:
         key = f"{self._dir(step)}/read-{host}-{holder.pid}-{new_token()}.json"
         try:
             _put(self.storage, key, holder.to_bytes(), "create")
-        except PermissionDeniedError as exc:
+        except (PermissionDeniedError, NoSpaceError) as exc:  # a read-only or full root still reads
             self._check_committed(step)
             self._warn_unleased(exc)
             return None
@@ -302,7 +303,14 @@ class LeaseStore:
         holder = LockHolder.mine(float(read_lease_ttl_s()))
         marker = f"{self._dir(step)}/{DELETING_NAME}"
         started = time.monotonic()
-        _put(self.storage, marker, holder.to_bytes(), "overwrite")
+        try:
+            _put(self.storage, marker, holder.to_bytes(), "overwrite")
+        except NoSpaceError as exc:
+            # Retention is what frees a full root: it goes on, still keeping the steps leased now; readers of
+            # a full root cannot write leases either and read without (both warned), as before leases.
+            log.warning(
+                "tiersave: retention in %s deletes step %d without a deletion record: %s", self.storage.uri, step, exc
+            )
         try:
             held = self.live(step)
             if held:
