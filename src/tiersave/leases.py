@@ -354,14 +354,16 @@ class LeaseStore:
                 continue
             self.storage.delete(key)
             removed.append(key)
-        held = set(committed())
+        if not self.storage.capabilities.atomic_rename:
+            return removed  # an object store has no empty directories to remove
         try:
-            names = self.storage.list_dirs(LEASES_PREFIX)
+            names = [n for n in self.storage.list_dirs(LEASES_PREFIX) if n not in occupied]
         except ObjectNotFoundError:
             names = []
-        for name in names:  # file systems: empty directories (object stores have none)
+        held = set(committed()) if names else set()
+        for name in names:
             step = parse_step_dirname(name)
-            if step is not None and step not in held and name not in occupied:
+            if step is not None and step not in held:
                 self.storage.delete_prefix(f"{LEASES_PREFIX}/{name}")
         return removed
 
