@@ -395,23 +395,3 @@ def test_a_forged_shard_size_is_caught_before_allocating(root: Path) -> None:
     with pytest.raises(CheckpointException) as exc:
         load(root, {"w": torch.zeros(3), "n": 0})
     assert isinstance(failure(exc), CorruptCheckpointError) and "the manifest says" in str(failure(exc))
-
-
-def test_a_load_holds_a_read_lease_that_another_process_retention_respects(root: Path) -> None:
-    from tiersave.catalog import Catalog
-    from tiersave.testing.faults import FaultyStorage
-
-    save(root, 1, {"w": torch.arange(4096, dtype=torch.float32)})
-    save(root, 2, {"w": torch.zeros(4096)})
-    pruned: list[list[int]] = []
-
-    class PruneOnFirstRead(FaultyStorage):
-        def open_reader(self, key: str) -> Any:
-            if not pruned:  # another process's retention (keep 1) runs while the load reads step 1
-                pruned.append(Catalog(open_storage(str(root))).prune(keep_last=1).deleted)
-            return super().open_reader(key)
-
-    out = load(PruneOnFirstRead(open_storage(str(root))), {"w": torch.empty(4096)}, step=1)
-    assert torch.equal(out["w"], torch.arange(4096, dtype=torch.float32))
-    assert pruned == [[]]  # step 1 was kept while it was read
-    assert Catalog(open_storage(str(root))).prune(keep_last=1).deleted == [1]

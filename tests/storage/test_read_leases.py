@@ -278,3 +278,30 @@ def test_a_watch_loop_body_holds_the_checkpoint_it_was_given(tmp_path):
         feed.close()  # type: ignore[attr-defined]
         writer.save(5, {"w": torch.ones(8)})
         assert writer.catalog.steps() == [5]
+
+
+def test_a_dcp_load_holds_a_read_lease_that_another_process_retention_respects(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from tiersave.dcp import Reader, Writer
+
+    root = tmp_path / "root"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns on every call that it runs without a process group
+        dcp.save({"w": torch.arange(4096, dtype=torch.float32)}, storage_writer=Writer(root, step=1))
+        dcp.save({"w": torch.zeros(4096)}, storage_writer=Writer(root, step=2))
+        pruned: list[list[int]] = []
+
+        class PruneOnFirstRead(FaultyStorage):
+            def open_reader(self, key: str) -> Any:
+                if not pruned:  # another process's retention (keep 1) runs while the load reads step 1
+                    pruned.append(Catalog(LocalStorage(root)).prune(keep_last=1).deleted)
+                return super().open_reader(key)
+
+        out = {"w": torch.empty(4096)}
+        dcp.load(out, storage_reader=Reader(PruneOnFirstRead(LocalStorage(root)), step=1))
+    assert torch.equal(out["w"], torch.arange(4096, dtype=torch.float32))
+    assert pruned == [[]]  # step 1 was kept while it was read
+    assert Catalog(LocalStorage(root)).prune(keep_last=1).deleted == [1]
