@@ -19,10 +19,10 @@ S3_TEST_OPTIONS = {
 
 
 def listing(root: Path) -> list[str]:
-    """Names in a checkpoint root, without the save event log (tiersave-events.jsonl) and the writer lock."""
-    return sorted(
-        p.name for p in root.iterdir() if p.name != "tiersave-writer.lock" and not p.name.startswith("tiersave-events")
-    )
+    """Names in a checkpoint root, without the save event log (tiersave-events.jsonl), the writer lock and the
+    read leases (``leases/``, made by the first read)."""
+    skip = ("tiersave-writer.lock", "leases")
+    return sorted(p.name for p in root.iterdir() if p.name not in skip and not p.name.startswith("tiersave-events"))
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:

@@ -37,12 +37,11 @@ from .format.layout import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     is_leftover,
-    new_token,
     parse_step_dirname,
     step_dirname,
-    trash_dirname,
 )
 from .format.manifest import Manifest, TensorEntry
+from .leases import LeaseStore, ReadLease, delete_committed
 from .policy import KeepLast, RetentionPolicy, plan_retention
 from .references import Pins, referenced
 from .storage.base import BlobReader, Storage
@@ -162,10 +161,11 @@ class OpenCheckpoint:
     truncated, extended and swapped-in foreign shards before any byte is used.
     """
 
-    def __init__(self, storage: Storage, manifest: Manifest, prefix: str) -> None:
+    def __init__(self, storage: Storage, manifest: Manifest, prefix: str, lease: ReadLease | None = None) -> None:
         self.storage = storage
         self.manifest = manifest
         self.prefix = prefix
+        self.lease = lease  # released by close(): until then another process's retention keeps the step
         self._readers: dict[int, BlobReader] = {}
         self._lock = threading.Lock()
         self.shared: frozenset[int] = frozenset()  # shards other processes of this machine read now too
@@ -228,6 +228,8 @@ class OpenCheckpoint:
             for reader in self._readers.values():
                 reader.close()
             self._readers.clear()
+        if self.lease is not None:
+            self.lease.release()
 
     def __enter__(self) -> OpenCheckpoint:
         return self
@@ -245,6 +247,7 @@ class Catalog:
         self._lock = threading.Lock()
         self.pins = Pins()  # bases of this process's unfinished incremental saves: retention keeps them
         self.tags = TagStore(storage)  # movable tags (tags.py): retention keeps the steps they point to
+        self.leases = LeaseStore(storage)  # read leases of other processes (leases.py): retention keeps those steps
 
     # -- listing ----------------------------------------------------------------------------------
 
@@ -371,7 +374,10 @@ class Catalog:
     # -- reading ----------------------------------------------------------------------------------
 
     def open(self, step: int) -> OpenCheckpoint:
-        return OpenCheckpoint(self.storage, self.manifest(step), step_dirname(step))
+        """``step`` opened for reading under a read lease (leases.py) on it and on the steps it references,
+        held until the checkpoint is closed (a committed manifest never changes: the lease checks it still is)."""
+        m = self.manifest(step)
+        return OpenCheckpoint(self.storage, m, step_dirname(step), self.leases.take(step, m.referenced_steps))
 
     def verify(
         self, step: int, *, executor: Executor | None = None, progress: Callable[[int, int], None] | None = None
@@ -465,21 +471,13 @@ class Catalog:
 
     def delete(self, step: int) -> None:
         """Delete a committed checkpoint: un-commit it atomically first, then remove its data."""
-        name = step_dirname(step)
-        if self.storage.capabilities.atomic_rename:
-            trash = trash_dirname(step, new_token())
-            self.storage.rename_prefix(name, trash)
-            self.storage.delete_prefix(trash)
-        else:
-            # Only the attempt prefixes this manifest names: a concurrent re-save of the same step writes
-            # under its own attempt prefix, which must survive. Unnamed leftovers go by clean_leftovers.
+        attempts: set[str] = set()
+        if not self.storage.capabilities.atomic_rename:  # an object store deletes the attempts the manifest names
             try:
                 attempts = {s.file.split("/", 1)[0] for s in self.manifest(step).shards if "/" in s.file}
             except (FormatError, CheckpointNotFoundError):
-                attempts = set()
-            self.storage.delete(f"{name}/{MANIFEST_NAME}")  # the commit marker goes first
-            for attempt in sorted(attempts):
-                self.storage.delete_prefix(f"{name}/{attempt}")
+                pass
+        delete_committed(self.storage, step, attempts)
         with self._lock:
             self._cache.pop(step, None)
 
@@ -529,9 +527,12 @@ class Catalog:
                     if not allowed:  # a save pinned a base since: its references may be among these
                         break
                     if step not in self.tags.by_step():  # not tagged since the plan (by another process)
-                        self.delete(step)
-                        done.append(step)
+                        with self.leases.deleting(step) as unleased:  # no reader of another process holds it
+                            if unleased:
+                                self.delete(step)
+                                done.append(step)
             doomed = done
+            self.leases.clean(self.steps)  # expired leases of dead readers
             removable = self.clean_leftovers(force=force) if leftovers else []
         return PruneResult(
             deleted=doomed,

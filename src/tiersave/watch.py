@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .catalog import Catalog, CheckpointInfo
 from .errors import CheckpointNotFoundError, ConfigError, FormatError
+from .leases import ReadLease
 from .storage import open_storage
 from .storage.base import Storage
 from .storage.posix import LocalStorage
@@ -61,8 +62,10 @@ def watch(
             current one first with ``include_existing``. ``after`` does not apply.
 
     A checkpoint deleted by the writer's retention before it was seen is skipped: a watcher that falls behind
-    gets the newest ones, never an error. Steps that are not newer than the last one yielded are not yielded
-    again (a writer that restarts from an older step continues past the newest seen).
+    gets the newest ones, never an error. Each checkpoint yielded is held by a read lease until the loop asks
+    for the next one (or closes the feed): the writer's retention, in any process, keeps it while the loop's
+    body reads it (docs/guarantees.md, "Read leases"). Steps that are not newer than the last one yielded are
+    not yielded again (a writer that restarts from an older step continues past the newest seen).
 
     Raises:
         ConfigError: ``poll_s`` or ``timeout_s`` is not positive, a bad ``tag`` name, or ``tag`` with ``after``.
@@ -120,6 +123,16 @@ def _closing(items: Iterator[CheckpointInfo], wait: _Waiter) -> Iterator[Checkpo
         wait.close()
 
 
+def _leased(info: CheckpointInfo, lease: ReadLease | None) -> Iterator[CheckpointInfo]:
+    """Yield ``info`` while ``lease`` holds its step: until the consumer asks for the next one, or closes the
+    feed (another process's retention keeps the checkpoint meanwhile)."""
+    try:
+        yield info
+    finally:
+        if lease is not None:
+            lease.release()
+
+
 def _commits(
     catalog: Catalog,
     after: int | None,
@@ -138,11 +151,12 @@ def _commits(
         for step in fresh:
             try:
                 info = catalog.info(step)
+                lease = catalog.leases.take(step)  # held while the consumer handles it (until the next look)
             except (CheckpointNotFoundError, FormatError):  # deleted by retention, or unreadable: not ours
                 continue
             last = step
             waited_since = time.monotonic()
-            yield info
+            yield from _leased(info, lease)
         if timeout_s is not None and time.monotonic() - waited_since >= timeout_s:
             return
         wait(poll_s)
@@ -165,15 +179,19 @@ def _tag_moves(
     while True:
         tag = catalog.tags.get(name)  # one atomic object: never a half-moved tag
         if tag is not None and (tag.step, tag.manifest_sha256) != seen:
+            lease: ReadLease | None = None
             try:
+                lease = catalog.leases.take(tag.step)
                 catalog.tags.resolve(name)  # still the tagged checkpoint (not deleted and saved again)
                 info = catalog.info(tag.step)
             except (CheckpointNotFoundError, FormatError):
                 info = None  # moved again or its step gone: the next look decides
+                if lease is not None:
+                    lease.release()
             if info is not None:
                 seen = (tag.step, tag.manifest_sha256)
                 waited_since = time.monotonic()
-                yield info
+                yield from _leased(info, lease)
                 continue
         if timeout_s is not None and time.monotonic() - waited_since >= timeout_s:
             return

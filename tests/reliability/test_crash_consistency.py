@@ -210,9 +210,10 @@ def test_the_next_save_removes_a_killed_saves_leftovers_but_never_a_live_ones(tm
             shutil.rmtree(root, ignore_errors=True)
 
 
-def test_a_reader_whose_checkpoint_is_deleted_mid_read_gets_the_newer_one_not_an_error(root):
-    """Another process's retention deletes the checkpoint a reader is reading (a writer saving fast with
-    keep_last=1): the reader lists again and restores the newer checkpoint; that is not damage."""
+def test_a_checkpoint_retention_wants_gone_mid_read_is_read_whole_then_deleted(root):
+    """Another process's retention (a writer saving fast with keep_last=1) wants the checkpoint a reader is
+    reading gone: the reader's lease keeps it until the read ends, then the next pass deletes it. (Deleted
+    before the read began: "not found", never "corrupt", tests/unit/test_leases.py.)"""
     from tiersave.storage.posix import LocalStorage
     from tiersave.testing.faults import FaultyStorage
 
@@ -228,12 +229,15 @@ def test_a_reader_whose_checkpoint_is_deleted_mid_read_gets_the_newer_one_not_an
     with tiersave.Checkpointer(root, keep_last=1) as writer:
         writer.save(1, state_for(1))
         storage = SavesOnFirstShardOpen(LocalStorage(root))
-        storage.hook = lambda: writer.save(2, state_for(2))  # its retention deletes step 1 mid-read
+        storage.hook = lambda: writer.save(2, state_for(2))  # its retention wants step 1 gone mid-read
         with tiersave.Checkpointer(storage) as reader, warnings.catch_warnings():
-            warnings.simplefilter("error")  # a deleted copy is not damage: no "skipping" warning either
+            warnings.simplefilter("error")  # no "skipping" warning either
             restored = reader.restore()
-        assert reader.last_restore.step == 2
-        assert_same(restored, state_for(2))
+        assert reader.last_restore.step == 1
+        assert_same(restored, state_for(1))
+        assert writer.catalog.steps() == [1, 2]
         storage.hook = lambda: writer.save(3, state_for(3))
-        with tiersave.Checkpointer(storage) as reader, pytest.raises(tiersave.CheckpointNotFoundError, match="deleted"):
-            reader.restore(2)  # an explicit step that was deleted is "not found", never "corrupt"
+        with tiersave.Checkpointer(storage) as reader:
+            assert_same(reader.restore(2), state_for(2))  # an explicit step too
+        writer.save(4, state_for(4))  # the reads are over: the next pass deletes what they held
+        assert writer.catalog.steps() == [4]

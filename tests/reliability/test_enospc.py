@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import warnings
 
 import pytest
 import torch
@@ -82,8 +83,10 @@ def test_a_full_disk_fails_typed_and_keeps_the_previous_checkpoints(small_fs, mo
                 f"a failed save's leftovers pile up: {usage(small_fs)} after, {first_usage} at the first failure"
             )
         assert not [p.name for p in root.iterdir() if ".tmp-" in p.name]
-        for held in saved:
-            assert_same(ckpt.restore(held), state_for(held))
+        with warnings.catch_warnings():  # a full root reads without a read lease, saying so (once per root)
+            warnings.filterwarnings("ignore", "cannot write read leases", tiersave.TiersaveWarning)
+            for held in saved:
+                assert_same(ckpt.restore(held), state_for(held))
         ckpt.prune(keep_last=1)
         save(ckpt, step)
         assert_same(ckpt.restore(), state_for(step))

@@ -66,6 +66,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.references",
             "tiersave.watch",
             "tiersave.tags",
+            "tiersave.leases",
             "tiersave.dist",
             "tiersave.dcp",
         ),

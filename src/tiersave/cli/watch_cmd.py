@@ -51,6 +51,17 @@ def _watch(args: argparse.Namespace, out: Output) -> int:
     if not args.exec_timeout > 0:
         raise ConfigError(f"--exec-timeout must be a positive number of seconds, got {args.exec_timeout!r}")
     feed = watch(args.root, include_existing=args.all, poll_s=args.poll, timeout_s=args.timeout, tag=args.tag)
+    try:
+        return _follow(feed, args, argv, out)
+    finally:
+        close = getattr(feed, "close", None)  # drops the read lease of the checkpoint last handled
+        if close is not None:
+            close()
+
+
+def _follow(feed: Any, args: argparse.Namespace, argv: list[str] | None, out: Output) -> int:
+    """Print (and with --exec, run the command for) each checkpoint of ``feed``; the feed's read lease holds
+    the checkpoint while the command runs."""
     failed = 0
     for seen, info in enumerate(feed, start=1):
         data = info.to_json()

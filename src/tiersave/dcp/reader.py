@@ -47,6 +47,7 @@ from ..errors import (
 from ..format.checksum import crc32c_hex
 from ..format.layout import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dirname, step_dirname
 from ..format.manifest import Manifest
+from ..leases import LeaseStore
 from ..storage import open_storage
 from ..storage.base import BlobReader, Storage
 from . import metadata as dcpmeta
@@ -184,7 +185,13 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        _Load(self, planner).run(plan.items)
+        # a read lease for the load (leases.py): another process's retention keeps the step until it ends
+        lease = LeaseStore(self.storage).take(self.step, self.manifest.referenced_steps)
+        try:
+            _Load(self, planner).run(plan.items)
+        finally:
+            if lease is not None:
+                lease.release()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

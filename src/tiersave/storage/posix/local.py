@@ -152,7 +152,9 @@ class LocalStorage:
 
     # -- whole objects ----------------------------------------------------------------------------
 
-    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite", durable: bool = True) -> None:
+        """As :meth:`Storage.put`; ``durable=False`` skips the fsyncs, for records that need not outlive the
+        machine (read leases, whose reader a power loss ends too): still atomic, visible at once."""
         parts = check_key(key)
         name = parts[-1]
         tmp = f".{name}.put-{new_token()}"
@@ -160,7 +162,8 @@ class LocalStorage:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | _O_NOFOLLOW, 0o644, dir_fd=dfd)
             try:
                 write_all(fd, memoryview(data), 0)
-                os.fsync(fd)
+                if durable:
+                    os.fsync(fd)
             except BaseException:
                 os.close(fd)
                 unlink_quiet(tmp, dir_fd=dfd)
@@ -183,7 +186,8 @@ class LocalStorage:
             except BaseException:
                 unlink_quiet(tmp, dir_fd=dfd)
                 raise
-            fsync_dir(dfd)
+            if durable:
+                fsync_dir(dfd)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         parts = check_key(key)
