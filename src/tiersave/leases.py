@@ -109,6 +109,12 @@ class ReadLease:
         self._released = False
         self.also: list[ReadLease] = []  # the leases of the steps it references, released with it
         self._renewed = time.monotonic()
+        self._due = self._renewed + holder.ttl_s / 3
+
+    def renew_due(self) -> float:
+        """When (``time.monotonic()``) the renewal thread next writes this lease: a third of its time to live
+        after the last write."""
+        return self._due
 
     def renew(self) -> None:
         """Write the lease again with a fresh time (renewal thread)."""
@@ -119,7 +125,9 @@ class ReadLease:
                 self.holder = self.holder.renew()
                 _put(self.storage, self.key, self.holder.to_bytes(), "overwrite")
                 self._renewed = time.monotonic()
-            except StorageError as exc:  # tried again at the next renewal
+                self._due = self._renewed + self.holder.ttl_s / 3
+            except StorageError as exc:  # tried again a third of the time to live later
+                self._due = time.monotonic() + self.holder.ttl_s / 3
                 silent = time.monotonic() - self._renewed
                 log.warning(
                     "tiersave: could not renew the read lease %s on %s (%.0f s): %s",
@@ -158,13 +166,15 @@ class ReadLease:
 
 
 class _Renewer:
-    """The one daemon thread of a process renewing its read leases every third of their time to live; it
-    ends when no lease is held."""
+    """The one daemon thread of a process renewing each of its read leases every third of that lease's time
+    to live; it ends when no lease is held. A lease added while the thread sleeps wakes it, so a lease with a
+    shorter time to live than the others is renewed on its own schedule, not at the end of their sleep."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._leases: set[ReadLease] = set()
         self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
 
     def add(self, lease: ReadLease) -> None:
         with self._lock:
@@ -172,6 +182,7 @@ class _Renewer:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tiersave-read-leases", daemon=True)
                 self._thread.start()
+        self._wake.set()
 
     def discard(self, lease: ReadLease) -> None:
         with self._lock:
@@ -183,12 +194,16 @@ class _Renewer:
                 if not self._leases:
                     self._thread = None
                     return
-                interval = min(lease.holder.ttl_s for lease in self._leases) / 3
-            time.sleep(interval)
+                held = list(self._leases)
+            now = time.monotonic()
+            for lease in held:
+                if now >= lease.renew_due():
+                    lease.renew()
+            self._wake.clear()
             with self._lock:
-                due = list(self._leases)
-            for lease in due:
-                lease.renew()
+                dues = [lease.renew_due() for lease in self._leases]
+            if dues:
+                self._wake.wait(max(0.0, min(dues) - time.monotonic()))
 
     def release_all(self) -> None:
         """At interpreter exit: remove the leases still held, rather than leave them pinning steps until they
@@ -203,6 +218,7 @@ class _Renewer:
         self._lock = threading.Lock()
         self._leases = set()
         self._thread = None
+        self._wake = threading.Event()
 
 
 _RENEWER = _Renewer()

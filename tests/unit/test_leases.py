@@ -171,6 +171,21 @@ def test_a_held_lease_is_renewed_past_its_time_to_live_and_retention_keeps_the_s
     assert prune(root) == [1]
 
 
+def test_a_lease_with_a_shorter_time_to_live_than_those_held_is_renewed_on_its_own_schedule(root, monkeypatch):
+    # The renewal thread sleeps until the next lease is due; a lease taken meanwhile with a shorter time to
+    # live must wake it, or it expires while the thread sleeps out the longer leases' third.
+    other = root.parent / "other"
+    saved(other, range(1, 3))
+    saved(root, range(1, 3))
+    monkeypatch.setenv("TIERSAVE_READ_LEASE_TTL_S", "60")
+    with Catalog(LocalStorage(other)).open(1):  # renewed every 20 s
+        time.sleep(0.2)  # the thread is now asleep for 20 s
+        monkeypatch.setenv("TIERSAVE_READ_LEASE_TTL_S", str(TTL))
+        with Catalog(LocalStorage(root)).open(1):
+            time.sleep(2.5 * TTL)
+            assert prune(root) == []
+
+
 def test_a_lease_not_renewed_expires_after_its_time_to_live(root):
     saved(root, range(1, 3))
     storage = LocalStorage(root)
