@@ -353,7 +353,7 @@ class Checkpointer:
         non-blocking copies on a side stream). With ``blocking=True`` it then waits until the checkpoint
         is committed and durable; with ``blocking=False`` it returns at once and the handle tells when
         the save is durable (``handle.result()``), re-raising any background error. Once this returns,
-        changes to the state's tensors never leak into the checkpoint.
+        changes to the state's tensors never leak into the checkpoint (with ``lazy``: see :meth:`guard`).
 
         Args:
             step: a non-negative integer; a step that is already committed is never overwritten.
