@@ -203,8 +203,10 @@ def stall(work: Path, state, rounds: int, window: float) -> dict:
     for fn in methods.values():
         fn(0, state)  # warm-up: allocations, imports, plan caches
         m.drain()
+    names = list(methods)
     for r in range(1, rounds + 1):
-        for name, fn in methods.items():
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated, as in training_overhead
+            fn = methods[name]
             times[name].append(fn(r, state))
             m.drain()
     m.close()
@@ -248,8 +250,10 @@ def training_overhead(work: Path, steps: int, every: int, width: int, depth: int
         ("DCP async_save", m.dcp_async),
     ]
     walls: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in runs}
-    for _ in range(repeats):
-        for name, fn in runs:
+    for rep in range(repeats):
+        # the order rotates every repetition: a run pays for what the previous one left behind (freed memory the
+        # host took back, the disk's writeback), so no method should always follow the same one
+        for name, fn in runs[rep % len(runs) :] + runs[: rep % len(runs)]:
             if fn is not None:
                 fn(0, trainer.state() if fn is not m.dcp_async else _plain(trainer))
                 m.drain()
