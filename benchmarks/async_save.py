@@ -4,9 +4,13 @@ Measured side by side in one run, on the same state and the same disk:
 
 1. **Stall.** One ``memcpy`` of the state into preallocated memory (the target's yardstick) against the
    time ``tiersave`` ``save_async`` blocks (warm: the staging arena already exists), ``torch.save`` + fsync
-   (synchronous: blocks for all of it) and DCP ``async_save`` (blocks while it stages).
+   (synchronous: blocks for all of it) and DCP ``async_save`` (blocks while it stages). The lazy snapshot
+   (``save_async(..., lazy=True)`` with the optimizer guarded) is measured as the time the call blocks plus
+   the time the optimizer's next ``step()`` then waits, with ``--window`` seconds of forward and backward
+   between them (simulated by a sleep, as on a GPU host where the CPU is free meanwhile) and with none.
 2. **Training overhead.** The same training loop with no checkpoints, and with a checkpoint every K steps
-   through each method; the overhead is the extra wall time over the checkpoint-free loop.
+   through each method; the overhead is the extra wall time over the checkpoint-free loop. The lazy
+   method's blocked time includes what its guarded ``optimizer.step()`` waited.
 3. **Memory.** Peak resident memory of a process doing 20 tiersave saves against the state's size plus
    the staging budget, and resident-memory growth over those saves.
 
@@ -33,6 +37,20 @@ import warnings
 from pathlib import Path
 
 import torch
+
+
+def as_module_and_adam(state: dict) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The same tensors as a module's parameters and an Adam's moments (shared, not copied)."""
+    module = torch.nn.Module()
+    optim_state = {}
+    for i, (name, w) in enumerate(state["model"].items()):
+        p = torch.nn.Parameter(w, requires_grad=True)
+        module.register_parameter(f"p{i}", p)
+        optim_state[p] = {"step": torch.tensor(1.0), "exp_avg": state["optim"]["exp_avg"][name],
+                          "exp_avg_sq": state["optim"]["exp_avg_sq"][name]}  # fmt: skip
+    optim = torch.optim.Adam(module.parameters())
+    optim.state.update(optim_state)
+    return module, optim
 
 
 def gpt_like_state(total_mb: int, n_tensors: int = 200) -> dict:
@@ -94,6 +112,7 @@ class Methods:
 
         self.work = Path(tempfile.mkdtemp(dir=work))  # each measurement starts from an empty root
         self.ckpt = tiersave.Checkpointer(self.work / "tiersave", keep_last=2)
+        self.lazy_ckpt = tiersave.Checkpointer(self.work / "tiersave-lazy", keep_last=2)
         self._dcp_future = None
         self._dcp_dirs: list[str] = []
 
@@ -104,6 +123,13 @@ class Methods:
         blocked = time.perf_counter() - t0
         self._last = handle
         return blocked
+
+    def tiersave_lazy(self, step: int, state) -> float:
+        """The time ``save_async(lazy=True)`` blocks; the guard's ``waited_s`` adds what ``step()`` waits."""
+        self._nl = getattr(self, "_nl", 0) + 1
+        t0 = time.perf_counter()
+        self.lazy_ckpt.save_async(self._nl, state, lazy=True)
+        return time.perf_counter() - t0
 
     def torch_save(self, step: int, state) -> float:
         path = self.work / "torch" / f"{step}.pt"
@@ -136,6 +162,7 @@ class Methods:
 
     def drain(self) -> None:
         self.ckpt.wait()
+        self.lazy_ckpt.wait()
         if self._dcp_future is not None:
             self._dcp_future.result()
             self._dcp_future = None
@@ -145,25 +172,45 @@ class Methods:
     def close(self) -> None:
         self.drain()
         self.ckpt.close()
+        self.lazy_ckpt.close()
 
 
-def stall(work: Path, state, rounds: int) -> dict:
+def stall(work: Path, state, rounds: int, window: float) -> dict:
+    """Median blocked seconds per method over ``rounds``, the methods interleaved in every round."""
     m = Methods(work)
-    out = {}
-    for name, fn in (
-        ("tiersave save_async", m.tiersave),
-        ("torch.save+fsync", m.torch_save),
-        ("DCP async_save", m.dcp_async),
-    ):
+    module, optim = as_module_and_adam(state)
+    guard = m.lazy_ckpt.guard(optim)
+    lazy_state = {"model": module, "optim": optim}
+
+    def lazy(window_s: float):
+        def run(step: int, _state) -> float:
+            blocked = m.tiersave_lazy(step, lazy_state)
+            time.sleep(window_s)  # forward and backward: the CPU is free (a GPU computes)
+            before = guard.waited_s
+            optim.step()  # no gradients: Adam changes nothing, but its guard's hook waits as in training
+            return blocked + guard.waited_s - before
+
+        return run
+
+    methods = {
+        "tiersave save_async": m.tiersave,
+        "tiersave lazy, step() at once": lazy(0.0),
+        f"tiersave lazy, step() after {window:g} s": lazy(window),
+        "torch.save+fsync": m.torch_save,
+        "DCP async_save": m.dcp_async,
+    }
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for fn in methods.values():
         fn(0, state)  # warm-up: allocations, imports, plan caches
         m.drain()
-        times = []
-        for r in range(1, rounds + 1):
-            times.append(fn(r, state))
+    names = list(methods)
+    for r in range(1, rounds + 1):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated, as in training_overhead
+            fn = methods[name]
+            times[name].append(fn(r, state))
             m.drain()
-        out[name] = statistics.median(times)
     m.close()
-    return out
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 class Trainer:
@@ -190,23 +237,28 @@ class Trainer:
 
 
 def training_overhead(work: Path, steps: int, every: int, width: int, depth: int, repeats: int) -> dict:
-    """Wall time of the loop per method; the runs are interleaved ``repeats`` times and the fastest of
-    each method counts (the machine is shared: the minimum is the least disturbed run)."""
+    """Wall time of the loop per method: the runs are interleaved ``repeats`` times, each figure is the median
+    of a method's runs (and its range is kept)."""
     trainer = Trainer(width, depth)
     m = Methods(work)
+    guard = m.lazy_ckpt.guard(trainer.optim, trainer.model)
     runs = [
         ("no checkpoints", None),
         ("tiersave save_async", m.tiersave),
+        ("tiersave lazy", m.tiersave_lazy),
         ("torch.save+fsync", m.torch_save),
         ("DCP async_save", m.dcp_async),
     ]
-    results: dict[str, dict[str, float]] = {}
-    for _ in range(repeats):
-        for name, fn in runs:
+    walls: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in runs}
+    for rep in range(repeats):
+        # the order rotates every repetition: a run pays for what the previous one left behind (freed memory the
+        # host took back, the disk's writeback), so no method should always follow the same one
+        for name, fn in runs[rep % len(runs) :] + runs[: rep % len(runs)]:
             if fn is not None:
                 fn(0, trainer.state() if fn is not m.dcp_async else _plain(trainer))
                 m.drain()
             blocked = 0.0
+            waited_before = guard.waited_s
             t0 = time.perf_counter()
             for step in range(1, steps + 1):
                 trainer.step_fn()
@@ -214,14 +266,26 @@ def training_overhead(work: Path, steps: int, every: int, width: int, depth: int
                     blocked += fn(step, trainer.state() if fn is not m.dcp_async else _plain(trainer))
             m.drain()  # the run is over when its last checkpoint is durable
             wall = time.perf_counter() - t0
-            if name not in results or wall < results[name]["wall_s"]:
-                results[name] = {"wall_s": wall, "blocked_s": blocked}
+            blocked += guard.waited_s - waited_before  # the lazy method's step() waits (0 for the others)
+            walls[name].append((wall, blocked))
     m.close()
+    results = {
+        name: {
+            "wall_s": statistics.median(w for w, _ in reps),
+            "blocked_s": statistics.median(b for _, b in reps),
+            "wall_range_s": [min(w for w, _ in reps), max(w for w, _ in reps)],
+        }
+        for name, reps in walls.items()
+    }
     base = results["no checkpoints"]["wall_s"]
     for r in results.values():
         r["overhead"] = r["wall_s"] / base - 1
     ckpt_mb = state_bytes(_plain(trainer)) / 2**20
-    return {"steps": steps, "every": every, "repeats": repeats, "checkpoint_mib": round(ckpt_mb, 1), "runs": results}
+    step_s = results["no checkpoints"]["wall_s"] / steps
+    return {
+        "steps": steps, "every": every, "repeats": repeats, "checkpoint_mib": round(ckpt_mb, 1),
+        "step_s": step_s, "runs": results,
+    }  # fmt: skip
 
 
 def _plain(trainer: Trainer) -> dict:
@@ -276,24 +340,27 @@ def main() -> int:
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     p.add_argument("--width", type=int, default=2048, help="MLP width (state = 3 x width^2 x depth x 4 bytes)")
     p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=2, help="interleaved repetitions of the training runs")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of the training runs")
+    p.add_argument("--window", type=float, default=0.3, help="seconds of forward+backward before step() (stall)")
+    p.add_argument("--skip-memory", action="store_true", help="leave out the memory probe")
     p.add_argument("--dir", default=None, help="work directory on the disk to test (default: a temp dir here)")
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tiersave-async-", dir=args.dir or "."))
     torch.set_num_threads(os.cpu_count() or 1)
+    load_start = os.getloadavg()[0]
     try:
         state = gpt_like_state(args.state_mb)
         nbytes = state_bytes(state)
         mc = memcpy_s(state)
-        blocked = stall(work, state, args.rounds)
+        blocked = stall(work, state, args.rounds, args.window)
         del state
         train = training_overhead(work, args.steps, args.every, args.width, args.depth, args.repeats)
-        mem = memory(work, min(args.state_mb, 512), 256 << 20)
+        mem = None if args.skip_memory else memory(work, min(args.state_mb, 512), 256 << 20)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report = {
-        "machine": {"cpus": os.cpu_count(), "load_1min": os.getloadavg()[0], "torch": torch.__version__},
+        "machine": {"cpus": os.cpu_count(), "load_1min": [load_start, os.getloadavg()[0]], "torch": torch.__version__},
         "stall": {
             "state_bytes": nbytes,
             "memcpy_s": mc,
@@ -302,23 +369,28 @@ def main() -> int:
         "training": train,
         "memory": mem,
     }
+    print(f"load average (1 min) {load_start:.2f} -> {report['machine']['load_1min'][1]:.2f}")
     print(
         f"state {nbytes / 2**30:.2f} GiB; one memcpy into preallocated memory: {mc * 1e3:.0f} ms "
         f"({nbytes / mc / 1e9:.1f} GB/s)"
     )
-    print(f"{'method':24} {'blocked ms':>10} {'x memcpy':>9}")
+    print(f"{'method':34} {'blocked ms':>10} {'x memcpy':>9}")
     for k, v in report["stall"]["methods"].items():
-        print(f"{k:24} {v['blocked_s'] * 1e3:10.0f} {v['x_memcpy']:9.2f}")
-    print(f"\ntraining loop: {train['steps']} steps, a {train['checkpoint_mib']} MiB checkpoint every {train['every']}")
-    print(f"{'method':24} {'wall s':>8} {'blocked s':>9} {'overhead':>9}")
-    for k, v in train["runs"].items():
-        print(f"{k:24} {v['wall_s']:8.2f} {v['blocked_s']:9.2f} {v['overhead'] * 100:8.1f}%")
+        print(f"{k:34} {v['blocked_s'] * 1e3:10.0f} {v['x_memcpy']:9.2f}")
     print(
-        f"\nmemory: peak RSS {mem['peak_rss'] / 2**20:.0f} MiB for a {mem['state_bytes'] / 2**20:.0f} MiB state "
-        f"and a {mem['staging_budget'] / 2**20:.0f} MiB staging budget "
-        f"({mem['peak_over_before_plus_budget']:.2f}x of RSS-before-saves + budget); growth over 20 saves "
-        f"{mem['growth_over_20_saves'] / 2**20:.1f} MiB"
+        f"\ntraining loop: {train['steps']} steps of {train['step_s']:.2f} s, a {train['checkpoint_mib']} MiB "
+        f"checkpoint every {train['every']}; medians of {train['repeats']} interleaved runs"
     )
+    print(f"{'method':34} {'wall s':>8} {'blocked s':>9} {'overhead':>9}")
+    for k, v in train["runs"].items():
+        print(f"{k:34} {v['wall_s']:8.2f} {v['blocked_s']:9.2f} {v['overhead'] * 100:8.1f}%")
+    if mem is not None:
+        print(
+            f"\nmemory: peak RSS {mem['peak_rss'] / 2**20:.0f} MiB for a {mem['state_bytes'] / 2**20:.0f} MiB "
+            f"state and a {mem['staging_budget'] / 2**20:.0f} MiB staging budget "
+            f"({mem['peak_over_before_plus_budget']:.2f}x of RSS-before-saves + budget); growth over 20 saves "
+            f"{mem['growth_over_20_saves'] / 2**20:.1f} MiB"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))

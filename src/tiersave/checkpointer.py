@@ -46,13 +46,14 @@ from .engine.pool import DaemonThreadPool
 from .errors import ClosedError, ConfigError, SaveError, TiersaveWarning
 from .format.layout import MAX_CHUNK_BYTES
 from .handle import SaveHandle
+from .lazy import Guard
 from .partial import Selection
 from .planner.schedule import SaveCost, Schedule, parse_schedule
 from .policy import RetentionPolicy
 from .references import check_incremental
 from .replication import attach
 from .restore import RestoreReport, restore_from
-from .saving import PendingSave, Saver, SaveRequest
+from .saving import Saver, SaveRequest, complete_and_follow
 from .storage.base import Storage
 from .storage.lock import RootLocks
 from .tags import MovableTag, tag_step
@@ -92,6 +93,7 @@ class Checkpointer:
         incremental, full_every: reference the first tier's shards equal to the newest checkpoint's instead of
             writing them; every ``full_every`` saves a full one (docs/format.md section 9; with many ranks, each
             rank references its own shards).
+        guard: an optimizer or module, or a list of them, that lazy saves guard (:meth:`guard`).
 
     Thread safety: one thread calls save/restore at a time, listing from any. A context manager, or ``close()``.
     """
@@ -116,6 +118,7 @@ class Checkpointer:
         writer_lock: bool = True,
         incremental: bool = False,
         full_every: int | None = None,
+        guard: Any = None,
     ) -> None:
         threads, chunk = _check_options(keep_last, io_threads, chunk_bytes, max_shard_bytes, on_busy, exit_timeout_s)
         self._collective = join(process_group, coordination_timeout_s)
@@ -154,6 +157,7 @@ class Checkpointer:
             group=self._collective.group if self._collective is not None else None,
             incremental=check_incremental(incremental, full_every),
         )
+        self._saver.guard.add(guard if guard is not None else ())
         self._lock = threading.Lock()
         self._roots = RootLocks(lambda: (t.storage for t in self._chain.tiers), enabled=writer_lock and not self._rank)
         self._last: SaveHandle | None = None
@@ -295,6 +299,12 @@ class Checkpointer:
         self._saver.prepare(state)
         self._chain.calibrate()
 
+    def guard(self, *owners: Any, timeout_s: float | None = None) -> Guard:
+        """Let ``save_async(..., lazy=True)`` return before its copy ends: each of these optimizers' ``step()`` and
+        modules' ``forward()`` then waits (at most ``timeout_s``) until the tensors it changes are staged
+        (docs/guarantees.md, "Lazy snapshot"). Returns the guard, whose ``waited_s`` is the stall that remains."""
+        return self._saver.guard.add(*owners, timeout_s=timeout_s)
+
     # -- scheduling -------------------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
@@ -318,10 +328,12 @@ class Checkpointer:
         tags: Iterable[str] = (),
         metadata: Mapping[str, Any] | None = None,
         replicated: Iterable[str] = (),
+        lazy: bool = False,
     ) -> SaveHandle:
-        """``save(..., blocking=False)``: return once the state is staged; write in the background."""
+        """``save(..., blocking=False)``: return once the state is staged (with ``lazy``, once what no guard covers
+        is); write in the background."""
         return self.save(
-            step, state, metrics=metrics, tags=tags, metadata=metadata, replicated=replicated, blocking=False
+            step, state, metrics=metrics, tags=tags, metadata=metadata, replicated=replicated, blocking=False, lazy=lazy
         )
 
     def save(
@@ -334,6 +346,7 @@ class Checkpointer:
         metadata: Mapping[str, Any] | None = None,
         replicated: Iterable[str] = (),
         blocking: bool = True,
+        lazy: bool = False,
     ) -> SaveHandle:
         """Save ``state`` as the checkpoint of ``step``.
 
@@ -341,7 +354,7 @@ class Checkpointer:
         non-blocking copies on a side stream). With ``blocking=True`` it then waits until the checkpoint
         is committed and durable; with ``blocking=False`` it returns at once and the handle tells when
         the save is durable (``handle.result()``), re-raising any background error. Once this returns,
-        changes to the state's tensors never leak into the checkpoint.
+        changes to the state's tensors never leak into the checkpoint (with ``lazy``: see :meth:`guard`).
 
         Args:
             step: a non-negative integer; a step that is already committed is never overwritten.
@@ -352,6 +365,7 @@ class Checkpointer:
             replicated: top-level keys of ``state`` identical on every rank (DDP weights and optimizer state):
                 written once in total, split across ranks, checked at the first save (docs/distributed.md).
             blocking: wait until the checkpoint is durable (default) or only until it is staged.
+            lazy: (``blocking=False``) return before the guarded tensors are staged; the guard's hooks wait.
 
         Returns:
             A :class:`SaveHandle`; one skipped by ``on_busy="skip"`` has ``skipped=True``, ``result()`` None.
@@ -385,29 +399,17 @@ class Checkpointer:
         token = self._collective.next_token() if self._collective is not None else None
         try:
             self._roots.hold()  # refused: this save fails here (the collective's other ranks by the vote below)
-            pending = self._saver.stage(handle, request, state, started, started_wall, blocking, token)
+            pending = self._saver.stage(handle, request, state, started, started_wall, blocking, token, lazy)
         except BaseException as exc:
             _staging_failed(handle, exc, self._saver, self._committer if self._collective is not None else None)
             raise
-        self._committer.submit(self._complete, pending)
+        self._committer.submit(complete_and_follow, self._saver, self._chain, pending)
         if self._schedule is not None:
             _record_cost(self._schedule, handle, self._saver.last_total_s, started_mono)
         if blocking:
             handle.result()
             self._committer.submit(lambda: None).result()  # and the first tier's retention after it
         return handle
-
-    def _complete(self, pending: PendingSave) -> None:
-        """Commit thread: commit on the first tier, then (on rank 0) the chain's follow-up: drains, retention."""
-        if not self._saver.complete(pending):
-            return
-        if pending.manifest is not None and self._rank == 0:
-            self._chain.after_commit(pending.handle, pending.manifest, pending.started_wall)
-            return
-        if pending.manifest is not None:  # another node's leader: its node's memory tier holds the step too
-            self._chain.after_node_commit(pending.handle, pending.manifest)
-        if pending.info is not None:  # another rank: rank 0 committed the global manifest and described it
-            pending.handle._set_result(pending.info)
 
     # -- restore ----------------------------------------------------------------------------------
 
@@ -456,6 +458,7 @@ class Checkpointer:
         If reading fails midway, ``into``'s tensors may hold partial data; nothing is loaded unless all verified.
         """
         self._check_open()
+        self._saver.guard.settle()  # a lazy save still staging must not see the restored values
         sel = Selection.of(keys, cast, dtype)
         result, self.last_restore = restore_from(
             self._chain, step, tag, into, strict, self._pool, collective=self._collective, rank=rank, selection=sel

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,12 +34,13 @@ from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
 from .format.layout import MAX_STEP, align_up, is_valid_tag, shard_filename
 from .format.manifest import Manifest
 from .handle import SaveHandle
+from .lazy import Guard
 from .references import CHAIN_STAT, Incremental, chain_of, check_holders, rank_base, wants_full
 from .replicated import Selection, assign, check_declaration, normalize_keys, select
 from .state import FlatState, FlatTensor, flatten
 from .storage.base import Storage
 from .storage.memory import MemoryStorage
-from .tiers import TierRuntime
+from .tiers import TierChain, TierRuntime
 
 if TYPE_CHECKING:  # pragma: no cover
     from .dist import CoordinationGroup
@@ -115,6 +116,7 @@ class PendingSave:
     base: int | None = None  # the step an incremental save references (pinned in the catalog until settled)
     manifest: Manifest | None = None  # set once committed (on rank 0 of a collective save)
     info: CheckpointInfo | None = None  # the committed checkpoint, as rank 0 described it (other ranks)
+    staging: Future[None] | None = None  # a lazy save's background staging, done when every byte is staged
 
 
 class Saver:
@@ -175,8 +177,11 @@ class Saver:
         self.checked_replicated: set[tuple[str, ...]] = set()  # declarations whose fingerprints agreed
         self.last_step: int | None = None  # the last step this Saver committed: the next incremental base
         self.force_full = False  # the next incremental save writes everything (its base lost a referenced step)
+        self.guard = Guard()  # what lazy saves may stage after save_async returns (lazy.py)
 
     def close(self, *, release_memory: bool) -> None:
+        if release_memory:  # else a lazy save may still be staging: its hooks stay until the process ends
+            self.guard.close()
         self.copier.close()
         if release_memory:
             self.arena.release()
@@ -226,18 +231,23 @@ class Saver:
         started_wall: float,
         blocking: bool,
         token: str | None = None,
+        lazy: bool = False,
     ) -> PendingSave:
         """Flatten, lay out and stage ``state`` under the attempt ``token`` (the ranks of a collective save
-        agree on it; None: a fresh one). On failure nothing is visible and the error is raised."""
+        agree on it; None: a fresh one). On failure nothing is visible and the error is raised. ``lazy``:
+        stage only the tensors no guard covers now, the rest in the background (lazy.py)."""
         stats = handle.stats
         prefix: str | None = None
         job: StagedWrite | None = None
         base: Manifest | None = None
+        staging: Future[None] | None = None
+        if lazy:
+            self.guard.check(blocking=blocking, collective=self.group is not None)
         self.staging_step = request.step
         try:
             flat = flatten(state)
             stats.flatten_s = time.perf_counter() - started
-            selection, tensors = self._select(state, flat, request.replicated)
+            selection, tensors = _select(state, flat, request.replicated, self.group, self.rank)
             plan = plan_save(
                 tensors,
                 chunk_bytes=self.chunk_for(sum(align_up(t.nbytes) for t in tensors)),
@@ -263,7 +273,10 @@ class Saver:
                 increment=increment,
                 addresses=[t.address for t in tensors],
             )
-            job.stage(overlap=blocking)  # async: shortest stall; blocking: shortest time to durable
+            if lazy:
+                staging = self.guard.start(job, tensors, request.step, stats)
+            if staging is None:
+                job.stage(overlap=blocking)  # async: shortest stall; blocking: shortest time to durable
         except BaseException as exc:
             if job is not None:
                 job.abort()
@@ -278,7 +291,7 @@ class Saver:
             raise
         finally:
             self.staging_step = None
-        if not job.pinned:
+        if not job.pinned and staging is None:
             handle._set_staged()  # CPU copies are done; device copies are confirmed by the commit thread
         stats.stage_s = job.stage_s
         stats.stage_wait_s = job.ring.waited_s
@@ -288,18 +301,9 @@ class Saver:
         stats.blocked_s = time.perf_counter() - started
         stats.extra["io_before"] = io_before
         base_step = base.step if base is not None else None
-        return PendingSave(handle, request, job, prefix, flat.tree, started, started_wall, selection, base_step)
-
-    def _select(self, state: Any, flat: FlatState, keys: tuple[str, ...]) -> tuple[Selection | None, list[FlatTensor]]:
-        """The replicated part of a collective save, and the tensors this rank writes: its own and the
-        replicated ones assigned to it."""
-        if not keys:
-            return None, flat.tensors
-        selection = select(state, flat, keys)  # also in a single process: a bad declaration fails alike
-        if self.group is None:
-            return None, flat.tensors
-        owner = assign(selection.tensors, self.group.world_size)
-        return selection, [t for t in flat.tensors if owner.get(t.name, self.rank) == self.rank]
+        return PendingSave(
+            handle, request, job, prefix, flat.tree, started, started_wall, selection, base_step, staging=staging
+        )
 
     def _shard_cap(self) -> int | None:
         """``max_shard_bytes``; an incremental save also caps shards at one group of small tensors, so that
@@ -335,6 +339,9 @@ class Saver:
     def _complete(self, p: PendingSave) -> bool:
         handle, stats = p.handle, p.handle.stats
         try:
+            if p.staging is not None:  # a lazy save: its staging ends in the background
+                p.staging.result()
+                stats.stage_s = p.job.stage_s
             p.job.wait_staged()
             handle._set_staged()
             written = p.job.finish(lambda name: self.commit.shard_file(p.prefix, name), rank=self.rank)
@@ -504,7 +511,34 @@ class Saver:
             log.warning("could not remove %s after a failed save", prefix, exc_info=True)
 
 
+def _select(
+    state: Any, flat: FlatState, keys: tuple[str, ...], group: CoordinationGroup | None, rank: int
+) -> tuple[Selection | None, list[FlatTensor]]:
+    """The replicated part of a collective save, and the tensors this rank writes: its own and the
+    replicated ones assigned to it."""
+    if not keys:
+        return None, flat.tensors
+    selection = select(state, flat, keys)  # also in a single process: a bad declaration fails alike
+    if group is None:
+        return None, flat.tensors
+    owner = assign(selection.tensors, group.world_size)
+    return selection, [t for t in flat.tensors if owner.get(t.name, rank) == rank]
+
+
 def _io_bytes(storage: Storage) -> dict[str, int] | None:
     """Bytes the storage moved per I/O path so far (storages with I/O statistics only)."""
     io_stats = getattr(storage, "io_stats", None)
     return io_stats.bytes_by_path() if io_stats is not None else None
+
+
+def complete_and_follow(saver: Saver, chain: TierChain, pending: PendingSave) -> None:
+    """Commit thread: commit on the first tier, then (on rank 0) the chain's follow-up: drains, retention."""
+    if not saver.complete(pending):
+        return
+    if pending.manifest is not None and saver.rank == 0:
+        chain.after_commit(pending.handle, pending.manifest, pending.started_wall)
+        return
+    if pending.manifest is not None:  # another node's leader: its node's memory tier holds the step too
+        chain.after_node_commit(pending.handle, pending.manifest)
+    if pending.info is not None:  # another rank: rank 0 committed the global manifest and described it
+        pending.handle._set_result(pending.info)

@@ -41,3 +41,26 @@ def test_restore_into_a_cuda_model(root):
         ckpt.restore(into={"model": fresh, "optim": fresh_optim})
     assert torch.equal(fresh.weight, model.weight) and fresh.weight.device.type == "cuda"
     assert_same(optim.state_dict(), fresh_optim.state_dict())
+
+
+def test_lazy_save_of_a_cuda_model_holds_the_values_before_the_next_step(root):
+    """The lazy snapshot's device path: copies on a side stream that waited for the caller's stream; the guarded
+    Adam's step (on the caller's stream) waits for them; BatchNorm's forward waits for its buffers' copies."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512), torch.nn.Linear(512, 8)).cuda()
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(64, 512, device="cuda")
+
+    def train_step():
+        model(x).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+    train_step()
+    with tiersave.Checkpointer(root, guard=[optim, model]) as ckpt:
+        expected = {k: v.cpu() for k, v in model.state_dict().items()}
+        handle = ckpt.save_async(1, {"model": model, "optim": optim}, lazy=True)
+        train_step()  # queued at once: the hooks order it after the copies
+        handle.result(60)
+        restored = ckpt.restore(1)
+    assert_same(restored["model"], expected)

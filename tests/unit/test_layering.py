@@ -62,6 +62,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.replica",
             "tiersave.export",
             "tiersave.handle",
+            "tiersave.lazy",
             "tiersave.policy",
             "tiersave.references",
             "tiersave.watch",

@@ -435,6 +435,19 @@ class StagedWrite:
         submit, write = self.executor.submit, self._write_unit
         self.futures.extend(submit(write, u, [(u.global_offset, u.padded)], None) for u in plan.units)
 
+    @property
+    def addresses(self) -> list[int | None]:
+        """For each source, where its bytes lie when they can be copied as they are, else None."""
+        return self._addresses
+
+    def submit_staged(self, units: Sequence[Unit], event: Any = None) -> None:
+        """Submit the writes of ``units``, staged at their own place in an arena that holds the whole save (by
+        engine/phased.py); ``event``: the CUDA event after their device copies, which the writes wait for."""
+        if event is not None:
+            self._last_event = event
+        submit, write = self.executor.submit, self._write_unit
+        self.futures.extend(submit(write, u, [(u.global_offset, u.padded)], event) for u in units)
+
     def wait_staged(self) -> None:
         """Block until the staged bytes are in host memory (device copies complete)."""
         if self._last_event is not None:
