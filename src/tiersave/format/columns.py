@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
+import re
 from collections.abc import Sequence
 from itertools import accumulate, chain, compress, repeat
 from re import Pattern
@@ -22,6 +23,7 @@ from .dtypes import DTYPES
 
 _ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
 _FIELDS = ("dtype", "shape", "shard", "offset", "nbytes", "crc32c")
+_HEX = re.compile("[0-9a-f]*")
 _INT = {int}  # type(x) is int: a bool is not an integer here, as in every other check of the manifest
 
 Columns = tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int], list[int], list[tuple[str, ...]]]
@@ -77,7 +79,8 @@ def tensor_columns(
     if list(map(len, crcs)) != chunks:
         return None
     flat = list(chain.from_iterable(crcs))
-    if flat and (set(map(type, flat)) != {str} or not all(map(hex8.match, flat))):
+    # All 8 characters long, then one scan of them joined: a subset of what ``hex8`` accepts one by one.
+    if flat and (set(map(type, flat)) != {str} or set(map(len, flat)) != {8} or not _HEX.fullmatch("".join(flat))):
         return None
     return names, dtypes, list(map(tuple, shapes)), shards, offsets, nbytes, list(map(tuple, crcs))
 

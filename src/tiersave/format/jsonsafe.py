@@ -6,10 +6,11 @@ from __future__ import annotations
 import gc
 import json
 import math
+import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import chain, compress, repeat
-from typing import Any
+from typing import Any, cast
 
 from ..errors import FormatError
 
@@ -62,8 +63,9 @@ def check_depth(value: Any, *, what: str, limit: int = MAX_DEPTH) -> None:
     while level:
         if depth > limit:
             raise FormatError(f"{what} is nested deeper than {limit} levels", path=what)
-        dicts = [node for node in level if isinstance(node, dict)]
-        lists = [node for node in level if not isinstance(node, dict)]
+        is_dict = list(map(isinstance, level, repeat(dict)))
+        dicts = cast("Iterator[dict[str, Any]]", compress(level, is_dict))
+        lists = compress(level, map(operator.not_, is_dict))
         children = list(chain(chain.from_iterable(map(dict.values, dicts)), chain.from_iterable(lists)))
         level = list(compress(children, map(isinstance, children, repeat(_CONTAINERS))))
         depth += 1

@@ -16,6 +16,7 @@ shards use (:func:`version_for`), so a plain checkpoint stays 1.1.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as _dt
 import hashlib
@@ -25,7 +26,7 @@ import operator
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .._version import __version__
 from ..errors import CorruptCheckpointError, FormatError, UnsupportedFormatVersionError
@@ -159,6 +160,19 @@ class TensorEntry:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+_ENTRY_SLOTS = tuple(TensorEntry.__dict__[f.name] for f in dataclasses.fields(TensorEntry))
+
+
+def _entries(columns: Columns) -> list[TensorEntry]:
+    """``list(map(TensorEntry, *columns))``, about twice as fast: a frozen dataclass's ``__init__`` sets each
+    field through ``object.__setattr__`` in Python; here each slot is filled for all entries by one ``map``
+    in C. The values were checked by ``tensor_columns``; every field is set, as ``__init__`` would."""
+    entries = list(map(object.__new__, itertools.repeat(TensorEntry, len(columns[0]))))
+    for slot, values in zip(_ENTRY_SLOTS, cast("tuple[list[Any], ...]", columns), strict=True):
+        collections.deque(map(slot.__set__, entries, values), maxlen=0)
+    return entries
 
 
 def utc_now_rfc3339() -> str:
@@ -501,7 +515,7 @@ class _Checker:
         # through the entry-by-entry checks, which raise on the first faulty entry with its name.
         columns = self.tensors_columns(raw, nshards, chunk_bytes)
         if columns is not None:
-            return dict(zip(columns[0], map(TensorEntry, *columns), strict=True))
+            return dict(zip(columns[0], _entries(columns), strict=True))
         return {name: self.tensor(name, entry, nshards, chunk_bytes) for name, entry in raw.items()}
 
     def tensors_columns(self, raw: dict[str, Any], nshards: int, chunk_bytes: int) -> Columns | None:
