@@ -3,6 +3,8 @@ checks accept: a valid manifest parses to the same values, an invalid one fails 
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 from typing import Any
 
@@ -132,3 +134,28 @@ def test_the_seal_shortcut_only_ever_accepts_the_bytes_that_were_hashed():
     wrong = data.replace(expected.encode(), b"0" * 64)
     with pytest.raises(CorruptCheckpointError, match="does not match its checksum"):
         Manifest.parse(wrong, path="m")
+
+
+def reference_seal(doc: dict[str, Any]) -> bytes:
+    """docs/format.md 4.3 literally: serialize without the field, hash, add it last, serialize again."""
+    doc["checksum"].pop(MANIFEST_HASH_FIELD, None)
+    digest = hashlib.sha256(json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
+    doc["checksum"][MANIFEST_HASH_FIELD] = digest
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(lambda d: None, id="plain"),
+        pytest.param(lambda d: d["checksum"].update(content="blake3"), id="content-hash"),
+        pytest.param(lambda d: d["checksum"].update({MANIFEST_HASH_FIELD: "0" * 64}), id="resealed"),
+        pytest.param(lambda d: d["library"].update(checksum={"algorithm": "crc32c"}), id="lookalike-before"),
+        pytest.param(lambda d: d["metadata"].update(note='"checksum":{}, é'), id="lookalike-after"),
+        pytest.param(lambda d: d.update(checksum={}), id="empty-checksum"),
+    ],
+)
+def test_seal_serializes_once_with_the_bytes_of_the_spec(edit):
+    doc = document(20)
+    edit(doc)
+    assert seal(copy.deepcopy(doc)) == reference_seal(copy.deepcopy(doc))

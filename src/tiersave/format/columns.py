@@ -20,6 +20,7 @@ from re import Pattern
 from typing import Any
 
 from .dtypes import DTYPES
+from .jsonsafe import dumps_canonical
 
 _ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
 _FIELDS = ("dtype", "shape", "shard", "offset", "nbytes", "crc32c")
@@ -131,3 +132,24 @@ def raw_seal_matches(data: bytes, field: str, expected: str) -> bool:
     digest = hashlib.sha256(view[:at])
     digest.update(view[at + len(needle) :])
     return digest.hexdigest() == expected
+
+
+def seal_bytes(doc: dict[str, Any], field: str) -> bytes:
+    """``doc`` serialized with ``doc["checksum"][field]`` set (as its last key) to the SHA-256 of the canonical
+    bytes of ``doc`` without it (docs/format.md 4.3).
+
+    Serializes once, not twice: the sealed bytes are the unsealed ones with the field spliced in before the
+    brace that closes ``checksum``, whose position is the length of the document serialized up to and
+    including ``checksum`` (a few hundred bytes), checked to be a prefix before it is trusted.
+    """
+    checksum = doc["checksum"]
+    checksum.pop(field, None)
+    unsealed = dumps_canonical(doc)
+    keys = list(doc)
+    head = dumps_canonical({k: doc[k] for k in keys[: keys.index("checksum") + 1]})
+    digest = hashlib.sha256(unsealed).hexdigest()
+    checksum[field] = digest
+    if len(checksum) == 1 or not unsealed.startswith(head[:-1]):
+        return dumps_canonical(doc)  # nothing to splice after (the field alone): serialize again
+    at = len(head) - 2
+    return b"".join((unsealed[:at], f',"{field}":"{digest}"'.encode(), unsealed[at:]))

@@ -41,7 +41,7 @@ from . import (
     REFERENCE_VERSION_STR,
 )
 from .checksum import ALGORITHM, chunk_count
-from .columns import Columns, ranges_ok, raw_seal_matches, tensor_columns
+from .columns import Columns, ranges_ok, raw_seal_matches, seal_bytes, tensor_columns
 from .dtypes import lookup
 from .encoding import Encoding, parse_encoding
 from .jsonsafe import dumps_canonical, is_finite_number, loads_strict, paused_gc
@@ -311,10 +311,7 @@ class Manifest:
 def seal(doc: dict[str, Any]) -> bytes:
     """Serialize a manifest document with its integrity field: ``doc["checksum"]["manifest_sha256"]`` is set
     (replaced if present) to the SHA-256 of the canonical bytes of ``doc`` without it. Returns the bytes."""
-    checksum = doc["checksum"]
-    checksum.pop(MANIFEST_HASH_FIELD, None)
-    checksum[MANIFEST_HASH_FIELD] = hashlib.sha256(dumps_canonical(doc)).hexdigest()
-    return dumps_canonical(doc)
+    return seal_bytes(doc, MANIFEST_HASH_FIELD)
 
 
 def _check_seal(doc: Any, path: str, data: bytes | None = None) -> bool:
