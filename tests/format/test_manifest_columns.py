@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from typing import Any
 
 import pytest
@@ -159,3 +160,14 @@ def test_seal_serializes_once_with_the_bytes_of_the_spec(edit):
     doc = document(20)
     edit(doc)
     assert seal(copy.deepcopy(doc)) == reference_seal(copy.deepcopy(doc))
+
+
+@pytest.mark.parametrize(("depth", "fragment"), [(600, "nested deeper than 512 levels"), (505, "shape[0] must be")])
+def test_the_tensor_tables_depth_is_still_capped(depth, fragment):
+    doc = document()
+    doc["tensors"]["layer.151.w"]["shape"] = json.loads("[" * depth + "]" * depth)
+    with pytest.raises(FormatError, match=re.escape(fragment)):
+        Manifest.parse(seal(doc), path="m")
+    doc["tensors"] = json.loads("[" * depth + "]" * depth)
+    with pytest.raises(FormatError, match="nested deeper than 512 levels" if depth > 510 else "must be an object"):
+        Manifest.parse(seal(doc), path="m")

@@ -44,7 +44,7 @@ from .checksum import ALGORITHM, chunk_count
 from .columns import Columns, ranges_ok, raw_seal_matches, seal_bytes, tensor_columns
 from .dtypes import lookup
 from .encoding import Encoding, parse_encoding
-from .jsonsafe import dumps_canonical, is_finite_number, loads_strict, paused_gc
+from .jsonsafe import check_depth, dumps_canonical, is_finite_number, loads_strict, paused_gc
 from .layout import ALIGN, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, MAX_STEP, is_safe_file, is_valid_tag, step_dirname
 from .tree import validate_tree
 
@@ -290,9 +290,10 @@ class Manifest:
 
     @classmethod
     def _parse(cls, data: bytes, *, path: str, expect_step: int | None) -> Manifest:
-        doc = loads_strict(data, what=path, max_bytes=MAX_MANIFEST_BYTES)
-        verified = _check_seal(doc, path, data)
+        # The tensor table's depth is checked by _Checker.tensors (10^5 entries: a tenth of the parse)
+        doc = loads_strict(data, what=path, max_bytes=MAX_MANIFEST_BYTES, defer_depth="tensors")
         try:
+            verified = _check_seal(doc, path, data)
             manifest = _Checker(path).build(doc)
         except RecursionError:  # cannot happen within the caps; a typed error if the stack was already deep
             raise FormatError(f"{path}: nested too deeply to validate", path=path) from None
@@ -433,8 +434,6 @@ class _Checker:
             raise self.fail("shards must be an array")
         shards = [self.shard(i, raw, world_size, step, chunk_bytes) for i, raw in enumerate(doc["shards"])]
 
-        if not isinstance(doc["tensors"], dict):
-            raise self.fail("tensors must be an object")
         tensors = self.tensors(doc["tensors"], len(shards), chunk_bytes)
 
         metrics = doc["metrics"]
@@ -507,12 +506,17 @@ class _Checker:
             raise self.fail(f"{what} covers {sum(n for n, _ in pieces)} bytes, the shard has {size}")
         return tuple(pieces)
 
-    def tensors(self, raw: dict[str, Any], nshards: int, chunk_bytes: int) -> dict[str, TensorEntry]:
+    def tensors(self, raw: Any, nshards: int, chunk_bytes: int) -> dict[str, TensorEntry]:
         # Field by field first (per-value work in C); any entry that is not well formed sends the whole table
-        # through the entry-by-entry checks, which raise on the first faulty entry with its name.
-        columns = self.tensors_columns(raw, nshards, chunk_bytes)
+        # through the entry-by-entry checks, which raise on the first faulty entry with its name. Its depth
+        # (left out by Manifest.parse's loads_strict): a table the column checks accept is 3 levels deep
+        # (entry, list, scalar); any other is checked here, before it is walked.
+        columns = self.tensors_columns(raw, nshards, chunk_bytes) if type(raw) is dict else None
         if columns is not None:
             return dict(zip(columns[0], _entries(columns), strict=True))
+        check_depth(raw, what=self.path, start=2)
+        if not isinstance(raw, dict):
+            raise self.fail("tensors must be an object")
         return {name: self.tensor(name, entry, nshards, chunk_bytes) for name, entry in raw.items()}
 
     def tensors_columns(self, raw: dict[str, Any], nshards: int, chunk_bytes: int) -> Columns | None:
