@@ -355,6 +355,7 @@ class _Checker:
         self.strict_fields = True
         self.shard_fields = _SHARD_FIELDS
         self.checksum_fields = _CHECKSUM_FIELDS
+        self.columns: Columns | None = None
 
     def fail(self, message: str) -> FormatError:
         return FormatError(f"{self.path}: {message}", path=self.path)
@@ -513,6 +514,7 @@ class _Checker:
         # (entry, list, scalar); any other is checked here, before it is walked.
         columns = self.tensors_columns(raw, nshards, chunk_bytes) if type(raw) is dict else None
         if columns is not None:
+            self.columns = columns
             return dict(zip(columns[0], _entries(columns), strict=True))
         check_depth(raw, what=self.path, start=2)
         if not isinstance(raw, dict):
@@ -560,8 +562,13 @@ class _Checker:
         for i, s in enumerate(m.shards):
             if s.size % ALIGN:
                 raise self.fail(f"shards[{i}] size {s.size} is not a multiple of {ALIGN}")
-        entries = list(m.tensors.values())
-        shards, offsets, nbytes = (list(map(operator.attrgetter(f), entries)) for f in ("shard", "offset", "nbytes"))
+        if self.columns is not None:  # the table this checker just built (build), in the same order
+            shards, offsets, nbytes = self.columns[3:6]
+        else:
+            entries = list(m.tensors.values())
+            shards, offsets, nbytes = (
+                list(map(operator.attrgetter(f), entries)) for f in ("shard", "offset", "nbytes")
+            )
         if not ranges_ok([s.size for s in m.shards], shards, offsets, nbytes, ALIGN):
             self._check_ranges(m)
         try:
