@@ -524,7 +524,7 @@ class _Checker:
     def tensors_columns(self, raw: dict[str, Any], nshards: int, chunk_bytes: int) -> Columns | None:
         return tensor_columns(
             raw, nshards, chunk_bytes, fields=_TENSOR_FIELDS, max_ndim=_MAX_NDIM, max_name=_MAX_NAME,
-            max_int=_MAX_INT, hex8=_HEX8,
+            max_int=_MAX_INT,
         )  # fmt: skip
 
     def tensor(self, name: str, raw: Any, nshards: int, chunk_bytes: int) -> TensorEntry:
