@@ -6,10 +6,11 @@ from __future__ import annotations
 import gc
 import json
 import math
+import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import chain, compress, repeat
-from typing import Any
+from typing import Any, cast
 
 from ..errors import FormatError
 
@@ -31,11 +32,12 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
-def loads_strict(data: bytes, *, what: str, max_bytes: int) -> Any:
+def loads_strict(data: bytes, *, what: str, max_bytes: int, defer_depth: str | None = None) -> Any:
     """Parse ``data`` as strict JSON or raise :class:`FormatError` naming ``what``.
 
     Rejects: more than ``max_bytes``, invalid UTF-8, NaN/Infinity, duplicate keys, nesting deeper than
-    :data:`MAX_DEPTH`, and integers too long to convert.
+    :data:`MAX_DEPTH`, and integers too long to convert. ``defer_depth``: a top-level key whose value's depth
+    the caller checks before walking it in Python (see :func:`check_depth`).
     """
     if len(data) > max_bytes:
         raise FormatError(f"{what} is {len(data)} bytes, over the {max_bytes}-byte limit", path=what)
@@ -49,21 +51,27 @@ def loads_strict(data: bytes, *, what: str, max_bytes: int) -> Any:
         raise FormatError(f"{what} is nested too deeply", path=what) from None
     except ValueError as exc:  # JSONDecodeError, duplicate keys, constants, huge integers
         raise FormatError(f"{what} is not valid JSON: {exc}", path=what) from None
-    check_depth(value, what=what)
+    check_depth(value, what=what, skip=defer_depth)
     return value
 
 
-def check_depth(value: Any, *, what: str, limit: int = MAX_DEPTH) -> None:
-    """Raise :class:`FormatError` if ``value`` nests lists/dicts deeper than ``limit``."""
+def check_depth(value: Any, *, what: str, limit: int = MAX_DEPTH, start: int = 1, skip: str | None = None) -> None:
+    """Raise :class:`FormatError` if ``value`` nests lists/dicts deeper than ``limit``, counting ``value`` itself
+    as level ``start`` (a subtree checked on its own). ``skip``: a key of a top-level object whose value is
+    left out, for a caller that checks that subtree itself (``check_depth(..., start=2)``) or proves its
+    depth some cheaper way."""
+    if skip is not None and type(value) is dict and skip in value:
+        value = {key: child for key, child in value.items() if key != skip}
     # Level by level, with the per-value work in C (chain, map, compress): a manifest of 10^5 tensors has
     # 10^6 scalars (shapes, offsets, checksums) that are never touched one by one in Python.
     level = [value] if isinstance(value, _CONTAINERS) else []
-    depth = 1
+    depth = start
     while level:
         if depth > limit:
             raise FormatError(f"{what} is nested deeper than {limit} levels", path=what)
-        dicts = [node for node in level if isinstance(node, dict)]
-        lists = [node for node in level if not isinstance(node, dict)]
+        is_dict = list(map(isinstance, level, repeat(dict)))
+        dicts = cast("Iterator[dict[str, Any]]", compress(level, is_dict))
+        lists = compress(level, map(operator.not_, is_dict))
         children = list(chain(chain.from_iterable(map(dict.values, dicts)), chain.from_iterable(lists)))
         level = list(compress(children, map(isinstance, children, repeat(_CONTAINERS))))
         depth += 1
