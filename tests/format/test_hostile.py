@@ -131,6 +131,7 @@ def test_symlinked_shard_is_refused(saved, tmp_path):
         (lambda d: d["tensors"]["b"].update(dtype="object"), "has unknown dtype 'object'"),
         (lambda d: d["tensors"]["b"].update(crc32c=[]), "has 0 checksums for 1 chunks"),
         (lambda d: d["tensors"]["b"].update(crc32c=["xyz"]), "crc32c must be an array of 8-hex-digit strings"),
+        (lambda d: d["tensors"]["b"].update(crc32c=["00000000\n"]), "crc32c must be an array of 8-hex-digit strings"),
         (lambda d: d["tensors"]["b"].update(shard=3), "shard = 3 is out of range"),
         (lambda d: d["tensors"]["b"].update(extra=1), "has unknown field(s) extra"),
         (lambda d: d["shards"][0].update(file="../../etc/passwd"), "is not a safe relative name"),

@@ -78,8 +78,8 @@ def tensor_columns(
     if list(map(len, crcs)) != chunks:
         return None
     flat = list(chain.from_iterable(crcs))
-    # All 8 characters long, then one scan of them joined: what the per-entry ``^[0-9a-f]{8}$`` accepts,
-    # less the trailing newline its ``$`` lets through (such an entry takes the per-entry path).
+    # All 8 characters long, then one scan of them joined: what the per-entry ``_HEX8`` accepts (an entry
+    # that fails takes the per-entry path, which names it).
     if flat and (set(map(type, flat)) != {str} or set(map(len, flat)) != {8} or not _HEX.fullmatch("".join(flat))):
         return None
     return names, dtypes, list(map(tuple, shapes)), shards, offsets, nbytes, list(map(tuple, crcs))

@@ -21,7 +21,7 @@ CODECS = frozenset({"zstd"})
 """The codecs a reader knows; any other is refused (a reader never guesses)."""
 PLANES = frozenset({1, 2, 4, 8})
 """Byte-plane widths of the split (1: no split)."""
-_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+_HEX8 = re.compile(r"\A[0-9a-f]{8}\Z")  # \Z: "$" would let a trailing newline through
 
 
 @dataclass(frozen=True, slots=True)

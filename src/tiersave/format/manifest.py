@@ -51,7 +51,7 @@ from .tree import validate_tree
 _MAX_INT = (1 << 63) - 1
 _MAX_NDIM = 64
 _MAX_NAME = 1024
-_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+_HEX8 = re.compile(r"\A[0-9a-f]{8}\Z")  # \Z: "$" would let a trailing newline through
 _VERSION_RE = re.compile(r"^([0-9]{1,4})\.([0-9]{1,4})$")
 
 _TOP_FIELDS = frozenset(
