@@ -534,6 +534,8 @@ class Catalog:
             doomed = done
             self.leases.clean(self.steps)  # expired leases of dead readers
             removable = self.clean_leftovers(force=force) if leftovers else []
+        else:  # what a real pass would delete now: not the steps a reader holds
+            doomed = [step for step in doomed if not self.leases.live(step)]
         return PruneResult(
             deleted=doomed,
             kept=[s for s in steps if s not in doomed],

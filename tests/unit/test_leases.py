@@ -159,6 +159,14 @@ def test_a_lease_written_after_retention_read_the_leases_finds_the_step_gone(roo
     assert lease_files(root) == []
 
 
+def test_a_dry_run_of_retention_does_not_list_a_leased_step(root):
+    saved(root, range(1, 4))
+    catalog = Catalog(LocalStorage(root))
+    with Catalog(LocalStorage(root)).open(1):
+        assert catalog.prune(keep_last=1, dry_run=True).deleted == [2]
+    assert catalog.prune(keep_last=1, dry_run=True).deleted == [1, 2]
+
+
 # -- expiry, renewal, a dead reader ------------------------------------------------------------------
 
 
