@@ -285,13 +285,21 @@ class LeaseStore:
         """After the lease is written: no deletion of ``step`` under way, and ``step`` committed."""
         marker = f"{self._dir(step)}/{DELETING_NAME}"
         deadline = time.monotonic() + _DELETING_WAIT_S
-        while self.storage.exists(marker):
+        while self.storage.exists(marker) and self._deletion_live(step, marker):
             if time.monotonic() >= deadline:
                 raise CheckpointNotFoundError(
                     f"step {step} in {self.storage.uri} is being deleted by retention ({marker} is there)"
                 )
             time.sleep(0.02)
         self._check_committed(step)
+
+    def _deletion_live(self, step: int, marker: str) -> bool:
+        """Whether the deletion record ``marker`` belongs to a retention pass that may still delete. A pass
+        killed before it removed its record (its process gone on this host, or the record older than its time
+        to live) deletes nothing more; whether it un-committed the step is for the commit check that follows,
+        so readers of a step it left committed are not refused until the next pass cleans the record up."""
+        now = time.time()
+        return any(key == marker and self._is_live(key, mtime, now) for key, mtime in self._records(self._dir(step)))
 
     def _check_committed(self, step: int) -> None:
         if not self.storage.exists(f"{step_dirname(step)}/{MANIFEST_NAME}"):

@@ -6,9 +6,12 @@ expiry and renewal, and a root where no lease can be written. The same protocol 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -165,6 +168,24 @@ def test_a_dry_run_of_retention_does_not_list_a_leased_step(root):
     with Catalog(LocalStorage(root)).open(1):
         assert catalog.prune(keep_last=1, dry_run=True).deleted == [2]
     assert catalog.prune(keep_last=1, dry_run=True).deleted == [1, 2]
+
+
+def test_a_deletion_record_left_by_a_killed_retention_does_not_refuse_readers_of_a_step_it_left_committed(root):
+    # Retention killed between writing its deletion record and un-committing the step: the step is whole
+    # and committed, and its readers must not be told it is being deleted (a reader waits only for a live
+    # record's owner).
+    saved(root, range(1, 3))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    holder = dataclasses.replace(LockHolder.mine(float(TTL)), pid=dead.pid)
+    marker = root / LEASES_PREFIX / "step-0000000001" / "deleting.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_bytes(holder.to_bytes())
+    with Catalog(LocalStorage(root)).open(1) as ckpt:
+        assert ckpt.step == 1
+    marker.write_bytes(LockHolder.mine(float(TTL)).to_bytes())  # a live retention pass (this process)
+    with pytest.raises(CheckpointNotFoundError, match="being deleted by retention"):
+        Catalog(LocalStorage(root)).open(1)
 
 
 # -- expiry, renewal, a dead reader ------------------------------------------------------------------
