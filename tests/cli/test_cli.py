@@ -48,6 +48,22 @@ def test_ls_json(capsys, populated):
     assert doc["leftovers"] == [] and doc["damaged"] == []
 
 
+def test_ls_shows_the_steps_other_processes_are_reading(capsys, populated):
+    from tiersave.catalog import Catalog
+    from tiersave.storage.posix import LocalStorage
+
+    code, doc = run_json(capsys, "ls", str(populated))
+    assert doc["readers"] == []
+    with Catalog(LocalStorage(populated)).open(200):  # a reader holding its read lease
+        code, doc = run_json(capsys, "ls", str(populated))
+        assert code == 0
+        assert [(r["step"], r["leases"]) for r in doc["readers"]] == [(200, 1)]
+        assert main(["ls", str(populated)]) == 0
+        assert "step 200  (1 reader(s))" in capsys.readouterr().out
+    code, doc = run_json(capsys, "ls", str(populated))
+    assert doc["readers"] == []
+
+
 def test_ls_reports_a_step_directory_without_its_manifest(capsys, populated):
     (populated / "step-0000000200" / "manifest.json").unlink()
     code, doc = run_json(capsys, "ls", str(populated))

@@ -110,7 +110,15 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
     if damaged:
         text += "\n\ndamaged (a step directory without manifest.json: not a checkpoint; nothing removes it):\n"
         text += "\n".join(f"  {x['root']}: {x['name']}" for x in damaged)
-    doc: dict[str, Any] = {"checkpoints": items, "leftovers": leftovers, "damaged": damaged}
+    readers = [
+        {"root": c.storage.uri, "step": step, "leases": n}
+        for c in catalogs
+        for step, n in sorted(c.leases.leased().items())
+    ]
+    if readers:
+        text += "\n\nread now by other processes (live read leases; retention keeps these steps):\n"
+        text += "\n".join(f"  {x['root']}: step {x['step']}  ({x['leases']} reader(s))" for x in readers)
+    doc: dict[str, Any] = {"checkpoints": items, "leftovers": leftovers, "damaged": damaged, "readers": readers}
     held_here = _replicas_held(catalogs[0].storage) if len(catalogs) == 1 else {}
     if held_here:
         doc["replicas"] = {str(node): steps for node, steps in held_here.items()}
