@@ -182,31 +182,35 @@ class OpenCheckpoint:
         with self._lock:
             reader = self._readers.get(shard)
             if reader is None:
-                info = self.manifest.shards[shard]
-                key = info.key(self.prefix)
-                held = f" (referenced in step {info.step})" if info.step is not None else ""
-                try:
-                    shared = getattr(self.storage, "open_shared_reader", None) if shard in self.shared else None
-                    reader = (shared or self.storage.open_reader)(key)
-                except ObjectNotFoundError:
-                    where = self.storage.uri.rstrip("/") + "/" + key.rsplit("/", 1)[0] if held else self.location
-                    raise CorruptCheckpointError(
-                        f"step {self.step}: shard {info.file}{held} is missing from {where}",
-                        step=self.step,
-                        file=info.file,
-                    ) from None
-                if info.encoding is not None:  # serves decoded bytes at decoded offsets, checking each frame
-                    reader = DecodingReader(reader, info.encoding, where=self.location, step=self.step, file=info.file)
-                if reader.size != info.size:
-                    reader.close()
-                    raise CorruptCheckpointError(
-                        f"step {self.step}: shard {info.file}{held} is {reader.size} bytes, the manifest says "
-                        f"{info.size} (truncated, extended or replaced)",
-                        step=self.step,
-                        file=info.file,
-                    )
-                self._readers[shard] = reader
+                reader = self._readers[shard] = self._open(shard)
             return reader
+
+    def _open(self, shard: int) -> BlobReader:
+        """A reader of shard ``shard``, its size checked against the manifest (:meth:`reader` caches it)."""
+        info = self.manifest.shards[shard]
+        key = info.key(self.prefix)
+        held = f" (referenced in step {info.step})" if info.step is not None else ""
+        try:
+            shared = getattr(self.storage, "open_shared_reader", None) if shard in self.shared else None
+            reader = (shared or self.storage.open_reader)(key)
+        except ObjectNotFoundError:
+            where = self.storage.uri.rstrip("/") + "/" + key.rsplit("/", 1)[0] if held else self.location
+            raise CorruptCheckpointError(
+                f"step {self.step}: shard {info.file}{held} is missing from {where}",
+                step=self.step,
+                file=info.file,
+            ) from None
+        if info.encoding is not None:  # serves decoded bytes at decoded offsets, checking each frame
+            reader = DecodingReader(reader, info.encoding, where=self.location, step=self.step, file=info.file)
+        if reader.size != info.size:
+            reader.close()
+            raise CorruptCheckpointError(
+                f"step {self.step}: shard {info.file}{held} is {reader.size} bytes, the manifest says "
+                f"{info.size} (truncated, extended or replaced)",
+                step=self.step,
+                file=info.file,
+            )
+        return reader
 
     def describe(self, entry: TensorEntry) -> tuple[str, int | None]:
         return self.manifest.shards[entry.shard].file, self.step

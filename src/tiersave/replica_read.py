@@ -109,22 +109,16 @@ class PeerCheckpoint(OpenCheckpoint):
     def location(self) -> str:
         return f"{self.storage.uri.rstrip('/')}/{self.prefix} (node {self.client.peer.node}'s replica)"
 
-    def reader(self, shard: int) -> BlobReader:
-        with self._lock:
-            reader = self._readers.get(shard)
-            if reader is None:
-                info = self.manifest.shards[shard]
-                if info.step is not None or info.encoding is not None:
-                    raise CorruptCheckpointError(
-                        f"step {self.step}: shard {info.file} on {self.client.peer} is "
-                        f"{'referenced' if info.step is not None else 'compressed'}: a replica holds plain "
-                        "shards only",
-                        step=self.step,
-                        file=info.file,
-                    )
-                reader = _PeerReader(self.client, self.ns, f"{self.prefix}/{info.file}", info.size)
-                self._readers[shard] = reader
-            return reader
+    def _open(self, shard: int) -> BlobReader:
+        info = self.manifest.shards[shard]
+        if info.step is not None or info.encoding is not None:
+            raise CorruptCheckpointError(
+                f"step {self.step}: shard {info.file} on {self.client.peer} is "
+                f"{'referenced' if info.step is not None else 'compressed'}: a replica holds plain shards only",
+                step=self.step,
+                file=info.file,
+            )
+        return _PeerReader(self.client, self.ns, f"{self.prefix}/{info.file}", info.size)
 
 
 def read_from_holders(
