@@ -254,7 +254,7 @@ def check_chain(tiers: list[TierRuntime]) -> None:
         if later.spec.replicas:
             raise ConfigError(f"replicas= applies to the first tier (a memory tier), not to {later.name}")
     if first.compress is not None or first.incremental:  # the first tier's saves: Checkpointer(incremental=True)
-        raise ConfigError(f"compress= and incremental= apply to later tiers (drained), not to {tiers[0].name}")
+        raise ConfigError(f"compress= or incremental= applies to later tiers (drained), not to {tiers[0].name}")
     names = [t.name for t in tiers]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
