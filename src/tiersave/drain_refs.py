@@ -36,7 +36,7 @@ from .catalog import Catalog
 from .drain import CopyResult, copy_checkpoint
 from .engine.codec import require_codec
 from .errors import CorruptCheckpointError, ObjectNotFoundError
-from .format.layout import step_dirname
+from .format.layout import MANIFEST_NAME, step_dirname
 from .format.manifest import Manifest, ShardInfo, TensorEntry
 from .references import CHAIN_STAT, chain_of, check_incremental, wants_full
 from .storage.base import Storage
@@ -129,20 +129,16 @@ class ShardRefs:
     def _check_present(self) -> None:
         for ref in self.refs.values():
             key = ref.key(step_dirname(self.source.step))
+            holder = f"{step_dirname(ref.step or 0)}/{MANIFEST_NAME}"  # un-committed first when deleted
             try:
-                size = self.dst.head(key).size
-            except ObjectNotFoundError as exc:
-                raise CorruptCheckpointError(
-                    f"step {self.source.step}: the drain to {self.dst.uri} references {key} (held by step "
-                    f"{ref.step}), which is not there ({exc}); nothing was committed",
-                    step=self.source.step,
-                    file=ref.file,
-                ) from exc
+                size: int | None = self.dst.head(key).size if self.dst.exists(holder) else None
+            except ObjectNotFoundError:
+                size = None
             if size != ref.stored_size:
+                what = "not committed there" if size is None else f"{size} bytes there, not {ref.stored_size}"
                 raise CorruptCheckpointError(
                     f"step {self.source.step}: the drain to {self.dst.uri} references {key} (held by step "
-                    f"{ref.step}), which is {size} bytes there, its manifest says {ref.stored_size}; nothing was "
-                    "committed",
+                    f"{ref.step}), which is {what}; nothing was committed",
                     step=self.source.step,
                     file=ref.file,
                 )

@@ -22,10 +22,12 @@ import torch
 
 import tiersave
 from helpers import assert_same
+from tiersave.autocompress import AutoCompress
 from tiersave.catalog import Catalog
 from tiersave.cli import main as cli_main
-from tiersave.drain import copy_checkpoint
-from tiersave.errors import ConfigError
+from tiersave.drain import CopyResult, copy_checkpoint
+from tiersave.drain_refs import ShardRefs
+from tiersave.errors import ConfigError, CorruptCheckpointError
 from tiersave.format.layout import MANIFEST_NAME, step_dirname
 from tiersave.storage import open_storage
 from tiersave.storage.memory import MemoryStorage
@@ -251,3 +253,48 @@ def test_kill_during_incremental_drain_leaves_every_committed_step_restorable(tm
         assert_same(restore(LocalStorage(local), 20), state(20))
     finally:
         shutil.rmtree(mem.root, ignore_errors=True)
+
+
+def test_a_reference_missing_on_the_tier_fails_the_drain_before_its_commit(tmp_path):
+    first, later = LocalStorage(tmp_path / "first"), LocalStorage(tmp_path / "later")
+    with tiersave.Checkpointer(first, incremental=True) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, state(step)).result()
+    source = Catalog(first)
+    copy_checkpoint(first, later, 1, refs=ShardRefs(later, source.manifest(1), None))
+    base = Catalog(later).manifest(1)
+    plan = ShardRefs(later, source.manifest(2), base)
+    assert len(plan.refs) == 2 and plan.referenced_bytes == 2 * FROZEN * 4  # the two frozen shards
+    gone = next(iter(plan.refs.values()))
+    path = tmp_path / "later" / gone.key(step_dirname(2))
+    path.unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"step 2: the drain to .* references .* not committed there"):
+        copy_checkpoint(first, later, 2, refs=plan)
+    assert Catalog(later).steps() == [1]
+    assert not [p for p in (tmp_path / "later").iterdir() if ".tmp-" in p.name]  # the attempt was removed
+
+
+def test_auto_compressed_incremental_tier(tmp_path):
+    """compress="auto" with incremental=True: a drain that references every shard writes nothing and does not
+    skew the tier's measured throughput; every step restores."""
+    later = LocalStorage(tmp_path / "later")
+    steps = [1, 2, 3]
+    with tiersave.Checkpointer(
+        tiers=[
+            tiersave.Tier(tmp_path / "first", name="first"),
+            tiersave.Tier(later, incremental=True, compress="auto"),
+        ],
+        incremental=True,
+    ) as ckpt:
+        frozen = {k: v for k, v in state(1).items() if k.startswith("base")}
+        for step in steps:
+            ckpt.save(step, frozen).result()
+            assert ckpt.wait(60)
+    for step in steps:
+        assert_same(restore(later, step), frozen)
+    m = Catalog(later).manifest(3)
+    assert all(s.is_reference for s in m.shards) and m.referenced_steps == {1}
+    # a drain that wrote nothing teaches the choice nothing (else the tier would measure 0 B/s)
+    auto = AutoCompress("t", 2)
+    nothing = CopyResult(3, "a", "b", 0, 0, 0.01, file_bytes=0)
+    assert auto.drain(lambda compress: nothing) is nothing and auto.write_bps is None
