@@ -148,7 +148,9 @@ def main() -> None:
         f"{inc['seconds'] / max(1e-9, plain['seconds']):.3f} |"
     )
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": vars(args) | {"dir": str(args.dir)}, "summary": summary}, indent=1))
+        args.json.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -184,15 +184,16 @@ def _warn_once(tier: DrainTier, message: str) -> None:
     log.warning("tier %s (%s): %s", tier.name, tier.storage.uri, message)
 
 
-def drain_to(tier: DrainTier, source: Storage, step: int) -> CopyResult:
-    """Copy committed ``step`` from ``source`` to ``tier`` with its compression and, on an incremental tier,
-    referencing the shards equal to the tier's newest step before ``step`` (pinned until the drain ends)."""
-    run = functools.partial(copy_checkpoint, source, tier.storage, step, if_exists="skip", executor=tier.copier)
+def drain_to(tier: DrainTier, source: Catalog, step: int) -> CopyResult:
+    """Copy committed ``step`` from ``source`` (the first tier's catalog, whose manifests are cached) to ``tier``
+    with its compression and, on an incremental tier, referencing the shards equal to the tier's newest step
+    before ``step`` (pinned until the drain ends)."""
+    run = functools.partial(copy_checkpoint, source.storage, tier.storage, step, if_exists="skip", executor=tier.copier)
     base: Manifest | None = None
     if tier.spec.incremental:
         older = [s for s in tier.catalog.steps() if s < step]
         base = tier.catalog.pin(older[-1]) if older else None
-        manifest = Catalog(source).manifest(step)
+        manifest = source.manifest(step)
         if not any(s.content for s in manifest.shards):
             _warn_once(
                 tier,

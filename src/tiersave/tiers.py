@@ -514,7 +514,7 @@ class TierChain:
         source = self.first
         started, started_wall = time.perf_counter(), time.time()
         try:
-            result = drain_to(tier, source.storage, step)
+            result = drain_to(tier, source.catalog, step)
             info = tier.catalog.info(step)
         except BaseException as exc:
             self.protection.release(0, step)
