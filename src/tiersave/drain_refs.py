@@ -85,14 +85,18 @@ class ShardRefs:
         self.source = manifest
         self.base = base
         self.refs: dict[int, ShardInfo] = {}
-        if base is not None and base.content_hash == manifest.content_hash:
-            held = {layout: i for i, layout in enumerate(_layouts(base)) if layout[3]}
+        if base is not None and base.content_hash != manifest.content_hash:
+            log.info("step %d: the tier's step %d is hashed otherwise: a full drain", manifest.step, base.step)
+        elif base is not None:
+            # a shard without hashes or without tensors is never matched: two such shards could not both
+            # reference one held shard (no two shards of a manifest name the same file)
+            held = {layout: i for i, layout in enumerate(_layouts(base)) if layout[2] and layout[3]}
             for i, layout in enumerate(_layouts(manifest)):
-                match = held.get(layout) if layout[3] else None
+                match = held.get(layout) if layout[2] and layout[3] else None
                 if match is not None:
                     shard = base.shards[match]
                     holder = shard.step if shard.step is not None else base.step  # references never chain
-                    self.refs[i] = dataclasses.replace(shard, rank=manifest.shards[i].rank, step=holder)
+                    self.refs[i] = dataclasses.replace(shard, step=holder)
         self.copied = [i for i in range(len(manifest.shards)) if i not in self.refs]
         position = {old: new for new, old in enumerate(self.copied)}
         tensors = {
@@ -190,19 +194,19 @@ def drain_to(tier: DrainTier, source: Catalog, step: int) -> CopyResult:
     before ``step`` (pinned until the drain ends)."""
     run = functools.partial(copy_checkpoint, source.storage, tier.storage, step, if_exists="skip", executor=tier.copier)
     base: Manifest | None = None
-    if tier.spec.incremental:
-        older = [s for s in tier.catalog.steps() if s < step]
-        base = tier.catalog.pin(older[-1]) if older else None
-        manifest = source.manifest(step)
-        if not any(s.content for s in manifest.shards):
-            _warn_once(
-                tier,
-                f"step {step} has no content hashes, so drains to this incremental tier are full copies; give the "
-                "Checkpointer incremental=True so that its saves hash their shards",
-            )
-        chosen = None if wants_full(base, tier.spec.full_every) else base
-        run = functools.partial(run, refs=ShardRefs(tier.storage, manifest, chosen))
     try:
+        if tier.spec.incremental:
+            older = [s for s in tier.catalog.steps() if s < step]
+            base = tier.catalog.pin(older[-1]) if older else None
+            manifest = source.manifest(step)
+            if not any(s.content for s in manifest.shards):
+                _warn_once(
+                    tier,
+                    f"step {step} has no content hashes, so drains to this incremental tier are full copies; give "
+                    "the Checkpointer incremental=True so that its saves hash their shards",
+                )
+            chosen = None if wants_full(base, tier.spec.full_every) else base
+            run = functools.partial(run, refs=ShardRefs(tier.storage, manifest, chosen))
         return run(compress=tier.spec.compress) if tier.auto is None else tier.auto.drain(run)
     finally:
         if base is not None:
