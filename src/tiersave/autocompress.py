@@ -150,7 +150,7 @@ class AutoCompress:
             log.info("tier %s: drains %s: %s", self.tier, "compressed (zstd)" if codec else "plain", reason)
         self.decision = (codec, reason)
         result = run(compress=codec)
-        if result.skipped or result.seconds <= 0:
+        if result.skipped or result.seconds <= 0 or result.file_bytes == 0:  # 0: an incremental drain referenced all
             return result
         sent_bps = result.file_bytes / result.seconds
         if codec is None:

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from . import knobs
 from .catalog import Catalog
@@ -65,7 +65,8 @@ class CopyResult:
         source: URI of the source checkpoint.
         destination: URI of the destination checkpoint.
         tensor_bytes: tensor bytes copied and verified (0 when skipped).
-        stored_bytes: shard bytes of the checkpoint, padding included.
+        stored_bytes: shard bytes of the checkpoint, padding included (an incremental drain: of the shards it
+            copied, not of those it referenced).
         seconds: wall time.
         skipped: the destination already held this very checkpoint; nothing was written.
         read_back: every chunk was read back from the destination and verified before the commit.
@@ -108,6 +109,17 @@ class _Chunk:
     crc: str
     tensor: str
     index: int
+
+
+class References(Protocol):
+    """An incremental drain's plan (``drain_refs.ShardRefs``): copy ``work``, the source manifest cut to the
+    shards to copy (``copied``: their indices in the source), then ``complete`` the destination manifest."""
+
+    @property
+    def work(self) -> Manifest: ...
+    @property
+    def copied(self) -> Sequence[int]: ...
+    def complete(self, written: Manifest) -> Manifest: ...
 
 
 def same_checkpoint(a: Manifest, b: Manifest) -> bool:
@@ -188,6 +200,7 @@ def copy_checkpoint(
     executor: Executor | None = None,
     progress: Callable[[int, int], None] | None = None,
     compress: str | None = None,
+    refs: References | None = None,
 ) -> CopyResult:
     """Copy the committed checkpoint of ``step`` from ``src`` to ``dst``, verified, atomically.
 
@@ -210,6 +223,8 @@ def copy_checkpoint(
         executor: run transfers on this pool instead of a private one.
         progress: called with ``(bytes_done, bytes_total)`` after each chunk (from worker threads).
         compress: None writes plain shards; ``"zstd"`` writes them compressed (format 3.0).
+        refs: an incremental drain (drain_refs.py): only ``refs.work``'s shards are copied, the others
+            referenced on ``dst``.
 
     Returns:
         What was copied.
@@ -228,16 +243,17 @@ def copy_checkpoint(
         require_codec(compress)
     started = time.perf_counter()
     source = Catalog(src)
-    manifest = source.manifest(step)
+    full = source.manifest(step)
+    manifest, index = (refs.work, refs.copied) if refs is not None else (full, range(len(full.shards)))
     src_location = source.location(step)
     dst_location = f"{dst.uri.rstrip('/')}/{step_dirname(step)}"
     existing = _existing(dst, step)
     if existing is not None:
-        if if_exists == "skip" and same_checkpoint(existing, manifest):
+        if if_exists == "skip" and same_checkpoint(existing, full):
             return CopyResult(
-                step, src_location, dst_location, 0, manifest.stored_bytes, time.perf_counter() - started, skipped=True
+                step, src_location, dst_location, 0, full.stored_bytes, time.perf_counter() - started, skipped=True
             )
-        detail = "the same checkpoint" if same_checkpoint(existing, manifest) else "a different checkpoint"
+        detail = "the same checkpoint" if same_checkpoint(existing, full) else "a different checkpoint"
         raise AlreadyExistsError(
             f"{dst.uri} already has step {step} ({detail}); a checkpoint is never overwritten",
             tier=dst.uri,
@@ -270,13 +286,13 @@ def copy_checkpoint(
 
     try:
         with source.open(step) as ckpt:
-            for index in range(len(manifest.shards)):
-                ckpt.reader(index)  # open and size-check every source shard before writing anything
+            for i in index:
+                ckpt.reader(i)  # open and size-check every source shard before writing anything
             for name, shard in zip(names, manifest.shards):  # one by one: if an open fails, those open are aborted
                 writers.append(dst.open_writer(f"{prefix}/{name}", size_hint=shard.size))
 
             def transfer(chunk: _Chunk, view: memoryview) -> None:
-                ckpt.reader(chunk.shard).read_into(chunk.offset, view)
+                ckpt.reader(index[chunk.shard]).read_into(chunk.offset, view)
                 _check(view, chunk, manifest, src_location)
                 writers[chunk.shard].write_at(chunk.offset, view)
                 advance(chunk.length)
@@ -287,7 +303,11 @@ def copy_checkpoint(
                 for writer, shard in zip(writers, manifest.shards):
                     writer.finish(shard.size)
             else:
-                encodings = list(_write_encoded(ckpt.reader, manifest, writers, pool, nbuffers, src_location, advance))
+                encodings = list(
+                    _write_encoded(
+                        lambda i: ckpt.reader(index[i]), manifest, writers, pool, nbuffers, src_location, advance
+                    )
+                )
         new_manifest = dataclasses.replace(
             manifest,
             shards=tuple(
@@ -295,10 +315,13 @@ def copy_checkpoint(
                 for name, s, enc in zip(names, manifest.shards, encodings)
             ),
         )
+        written = new_manifest
+        if refs is not None:
+            new_manifest = refs.complete(new_manifest)
         data = new_manifest.to_json()
         Manifest.parse(data, path=f"{dst_location}/{MANIFEST_NAME}", expect_step=step)
         if read_back:
-            _read_back(dst, prefix, names, new_manifest, dst_location, pool, nbuffers, advance)
+            _read_back(dst, prefix, names, written, dst_location, pool, nbuffers, advance)
         commit.commit(prefix, step, data)
     except BaseException:
         for writer in writers:
@@ -322,7 +345,7 @@ def copy_checkpoint(
         manifest.stored_bytes,
         time.perf_counter() - started,
         read_back=read_back,
-        file_bytes=new_manifest.file_bytes,
+        file_bytes=written.file_bytes,
     )
 
 

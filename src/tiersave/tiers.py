@@ -31,7 +31,6 @@ tier's own drain thread; listing may run on any thread.
 from __future__ import annotations
 
 import builtins
-import functools
 import math
 import os
 import threading
@@ -47,8 +46,7 @@ from urllib.parse import urlparse
 from .autocompress import AutoCompress
 from .catalog import Catalog, CheckpointInfo
 from .commit import CommitStrategy, commit_for
-from .drain import copy_checkpoint
-from .engine.codec import require_codec
+from .drain_refs import check_drain_options, drain_to
 from .engine.pool import DaemonThreadPool
 from .errors import CheckpointNotFoundError, ConfigError, FormatError, TiersaveError
 from .events import EVENTS_NAME, EventLog, background_warning
@@ -89,6 +87,8 @@ class Tier:
             other domains first. None: ``TIERSAVE_FAILURE_DOMAIN``, else every node is its own domain.
         compress: a later tier's drains write zstd-compressed shards (``"zstd"``), only where measured to pay
             (``"auto"``), or plain ones (None); needs ``tiersave[zstd]`` (docs/tiers.md, "Compression").
+        incremental, full_every: a later tier's drains reference the shards equal to its newest checkpoint's
+            instead of copying them; a full drain every ``full_every`` (docs/tiers.md, "Incremental tiers").
     """
 
     uri: str | os.PathLike[str] | Storage
@@ -100,10 +100,11 @@ class Tier:
     replicas: int = 0
     failure_domain: str | None = None
     compress: str | None = None
+    incremental: bool = False
+    full_every: int | None = None
 
     def __post_init__(self) -> None:
-        if self.compress is not None:
-            require_codec("zstd" if self.compress == "auto" else self.compress)
+        check_drain_options(self.compress, self.incremental, self.full_every)
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
             raise ConfigError(f"Tier replicas must be a non-negative integer, got {self.replicas!r}")
         if self.failure_domain is not None and (
@@ -252,8 +253,8 @@ def check_chain(tiers: list[TierRuntime]) -> None:
     for later in tiers[1:]:
         if later.spec.replicas:
             raise ConfigError(f"replicas= applies to the first tier (a memory tier), not to {later.name}")
-    if first.compress is not None:
-        raise ConfigError(f"compress= applies to later tiers (drained in the background), not to {tiers[0].name}")
+    if first.compress is not None or first.incremental:  # the first tier's saves: Checkpointer(incremental=True)
+        raise ConfigError(f"compress= or incremental= applies to later tiers (drained), not to {tiers[0].name}")
     names = [t.name for t in tiers]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -513,10 +514,7 @@ class TierChain:
         source = self.first
         started, started_wall = time.perf_counter(), time.time()
         try:
-            run = functools.partial(
-                copy_checkpoint, source.storage, tier.storage, step, if_exists="skip", executor=tier.copier
-            )
-            result = run(compress=tier.spec.compress) if tier.auto is None else tier.auto.drain(run)
+            result = drain_to(tier, source.catalog, step)
             info = tier.catalog.info(step)
         except BaseException as exc:
             self.protection.release(0, step)

@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.replicated",
             "tiersave.tiers",
             "tiersave.drain",
+            "tiersave.drain_refs",
             "tiersave.autocompress",
             "tiersave.catalog",
             "tiersave.commit",
