@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from . import knobs
-from .commit import owner_alive
+from .commit import committed_steps, owner_alive
 from .engine.codec import DecodingReader
 from .engine.reader import ReadRequest, read_tensors
 from .errors import (
@@ -257,12 +257,7 @@ class Catalog:
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints, ascending (a directory without a manifest is not one)."""
-        out = []
-        for name in self.storage.list_dirs(""):
-            step = parse_step_dirname(name)
-            if step is not None and self.storage.exists(f"{name}/{MANIFEST_NAME}"):
-                out.append(step)
-        return sorted(out)
+        return committed_steps(self.storage)
 
     def damaged(self) -> list[str]:
         """Step directories that hold no manifest on a file system (where a commit renames a complete

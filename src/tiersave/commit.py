@@ -18,8 +18,9 @@ Call protocol (one save, one thread): ``begin(step)`` -> write shards at ``f"{pr
 record ``shard_file(prefix, name)`` in the manifest -> ``commit(prefix, step, manifest)`` or
 ``abort(prefix)``.
 
-Scope: the atomic visibility of one checkpoint on one storage, and recognising the leftovers of attempts
-whose writer died. Anti-scope: what the manifest says (format/), writing the shards (engine/), listing and
+Scope: the atomic visibility of one checkpoint on one storage (which steps are committed now, read so that a
+concurrent commit and deletion cannot hide every step), and recognising the leftovers of attempts whose
+writer died. Anti-scope: what the manifest says (format/), writing the shards (engine/), listing and
 deleting committed checkpoints (catalog.py).
 """
 
@@ -423,6 +424,28 @@ def _abort_uploads(storage: Storage, prefix: str) -> None:
         abort(prefix)
     except ConfigError as exc:  # no static credentials for the housekeeping requests
         log.debug("cannot abort multipart uploads under %s on %s: %s", prefix, storage.uri, exc)
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """Steps committed on ``storage`` (a manifest in ``step-N/``), ascending.
+
+    A listing and the manifest checks after it are not one atomic read: a writer may commit step N+1 after
+    the listing and delete step N before its check, and a reader that saw neither would find no checkpoint
+    where one always existed. Writers commit a newer step before deleting an older one, so when the newest
+    directory listed turned out to have no manifest, the directory is listed once more: a step committed
+    meanwhile shows up there. (An attempt in progress, a directory without a manifest newer than every
+    committed step, costs that one listing more, never a loop.)
+    """
+    for again in (True, False):
+        committed: list[int] = []
+        lacking: list[int] = []
+        for name in storage.list_dirs(""):
+            step = parse_step_dirname(name)
+            if step is not None:
+                (committed if storage.exists(f"{name}/{MANIFEST_NAME}") else lacking).append(step)
+        if not again or not lacking or (committed and max(committed) > max(lacking)):
+            break
+    return sorted(committed)
 
 
 def commit_for(storage: Storage) -> RenameCommit | MarkerCommit:
