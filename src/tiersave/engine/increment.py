@@ -10,6 +10,14 @@ turns each shard whose every piece matched into a reference to the base's shard,
 pieces of a shard that matched only in part from the base's copy (hash checked again on the bytes read), so
 every shard is either referenced whole or written whole.
 
+Most unchanged pieces are not hashed at all: the staging arena still holds the previous save's bytes, with
+their digests recorded per unit (:meth:`Increment.record`). Where that record says the arena holds the
+base's piece, staging compares the new bytes with it (``memcmp``, which reads about what a copy moves and is
+exact) and copies only what differs; a writer thread then checks an unchanged piece's CRC-32C, which every
+written piece gets anyway, against the base's, and references it with the base's digest. A record is
+voided the moment a save begins staging, tied to the arena's memory, and replaced only by the last save to
+stage, so it never describes bytes the arena no longer holds.
+
 Scope: the hashes, the per-piece decision, the settling of shards and the manifest's shard entries of an
 incremental save. Anti-scope: choosing the base checkpoint and keeping it from being deleted (the checkpoint
 level: saving.py, catalog.py), validating references (format/manifest.py), the write path itself (pipeline.py).
@@ -20,6 +28,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -34,6 +44,25 @@ from ..storage.base import BlobWriter, Storage
 log = logging.getLogger(__name__)
 
 
+class _ArenaRecord:
+    """What one staging arena holds since the last save staged into it: per chunk unit, by its place in the
+    arena, ``(length, padded, digest of the padded bytes there)``. ``generation`` counts the saves that
+    began staging into it; a save records only while it is still the last one, so a record never outlives a
+    later save's staging."""
+
+    __slots__ = ("generation", "tensor", "units")
+
+    def __init__(self) -> None:
+        self.tensor: weakref.ref[object] | None = None
+        self.generation = 0
+        self.units: dict[int, tuple[int, int, str]] | None = None
+
+
+# Keyed by the StagingArena object: its tensor is checked too, since a larger save reallocates it.
+_records: weakref.WeakKeyDictionary[object, _ArenaRecord] = weakref.WeakKeyDictionary()
+_records_lock = threading.Lock()
+
+
 class Unit(Protocol):
     """What this module reads of ``pipeline.Unit`` (a protocol: the pipeline imports this module)."""
 
@@ -43,6 +72,10 @@ class Unit(Protocol):
     def chunk(self) -> int: ...
     @property
     def end(self) -> int: ...
+    @property
+    def global_offset(self) -> int: ...
+    @property
+    def length(self) -> int: ...
     @property
     def shard(self) -> int: ...
     @property
@@ -188,6 +221,85 @@ class Increment:
                 self.matches[s] = index.get((shard.size, tensors, tuple(self.lengths[s])))
         self.referenced_bytes = 0
         self.filled_bytes = 0
+        self._expect: dict[int, str] = {}  # arena place -> digest, where the arena holds the base's piece
+        self._same: set[int] = set()  # the places of those whose new bytes memcmp found unchanged
+        self._taken: dict[int, int] = {}  # of those, the ones whose checksum confirmed the base's: padded bytes
+        self._record: _ArenaRecord | None = None
+        self._generation = 0
+
+    # -- the caller's thread: what the arena still holds ---------------------------------------------
+
+    def claim(self, arena: object, tensor: object, *, fits: bool) -> None:
+        """Called when this save is about to stage into ``arena`` (whose memory is ``tensor``); ``fits``:
+        the whole save fits, so every unit is staged at its global offset. Takes the arena's record (and
+        voids it: staging is about to overwrite it) to learn which units may be compared there."""
+        with _records_lock:
+            record = _records.get(arena)
+            if record is None:
+                record = _records[arena] = _ArenaRecord()
+            held = record.units if record.tensor is not None and record.tensor() is tensor else None
+            record.tensor, record.units = weakref.ref(tensor), None
+            record.generation += 1
+            self._record, self._generation = (record, record.generation) if fits else (None, 0)
+        if held is None or self.base is None or not fits:
+            return
+        for u in self.plan.units:
+            match = self.matches[u.shard]
+            if u.end >= 0 or match is None:
+                continue
+            piece = self.base.shards[match].content[self._piece[(u.shard, u.file_offset)]]
+            if held.get(u.global_offset) == (u.length, u.padded, piece[1]) and piece[0] == u.padded:
+                self._expect[u.global_offset] = piece[1]
+
+    def expects(self, u: Unit) -> bool:
+        """True when the arena holds, where ``u`` is staged, the bytes of the base's piece at ``u``'s place:
+        staging then compares before it copies (:meth:`HostCopier.copy_changed`)."""
+        return u.global_offset in self._expect
+
+    def compare_staged(
+        self,
+        copy_changed: Callable[[list[tuple[int, int, int]]], list[bool]],
+        copies: Sequence[tuple[Unit, tuple[int, int, int]]],
+    ) -> None:
+        """Stage units that :meth:`expects` with ``copy_changed`` (``HostCopier.copy_changed``: compare, copy
+        what differs; per copy, True when nothing did), given as ``(unit, (arena address, source address,
+        length))``; remember the unchanged ones for the writer threads."""
+        same = copy_changed([copy for _, copy in copies])
+        self._same.update(u.global_offset for (u, _), equal in zip(copies, same, strict=True) if equal)
+
+    # -- writer threads -----------------------------------------------------------------------------
+
+    def unchanged(self, u: Unit) -> bool:
+        return u.global_offset in self._same
+
+    def take_unchanged(self, u: Unit, crc1: list[str], crcs: dict[int, list[str]]) -> bool:
+        """For a unit staging found unchanged, whose CRC-32C the pipeline has just computed over the arena:
+        True, with the base's digest recorded and the unit skipped, when that checksum equals the base's for
+        the same chunk. The memcmp proved the new bytes equal the arena's; the checksum checks that the
+        arena still held the base's bytes (a record gone stale by a bug would otherwise reference wrong
+        bytes). False (then hashed as any unit) when it does not."""
+        assert self.base is not None
+        recorded = self.base.tensors[self.plan.names[u.tensor]].crc32c[u.chunk]
+        computed = crcs[u.tensor][u.chunk] if u.tensor in crcs else crc1[u.tensor]
+        if computed != recorded:
+            log.warning(
+                "step %d: the staging memory of %s (chunk %d) no longer held the bytes its record says; hashing "
+                "it instead",
+                self.base.step,
+                self.plan.names[u.tensor],
+                u.chunk,
+            )
+            return False
+        k = self._piece[(u.shard, u.file_offset)]
+        self.digests[u.shard][k] = self._expect[u.global_offset]
+        self.skipped[u.shard][k] = True
+        self._taken[u.global_offset] = u.padded
+        return True
+
+    @property
+    def compared_bytes(self) -> int:
+        """Bytes found equal to the base's by comparing them with the arena (so never hashed)."""
+        return sum(self._taken.values())
 
     # -- writer threads -----------------------------------------------------------------------------
 
@@ -224,9 +336,28 @@ class Increment:
 
     # -- the finishing thread -----------------------------------------------------------------------
 
+    def record(self) -> None:
+        """After every unit is hashed or matched: record what the arena now holds, for the next save (unless
+        a later save has begun staging into it since)."""
+        if self._record is None:
+            return
+        units = {}
+        for u in self.plan.units:
+            if u.end < 0:
+                units[u.global_offset] = (
+                    u.length,
+                    u.padded,
+                    self.digests[u.shard][self._piece[(u.shard, u.file_offset)]],
+                )
+        with _records_lock:
+            if self._record.generation == self._generation:
+                self._record.units = units
+
     def settle(self, writers: Sequence[BlobWriter]) -> set[int]:
         """After every unit is done: discard the writers of shards referenced whole, fill the skipped pieces
-        of the others from the base. Returns the indices of the referenced shards (not to be finished)."""
+        of the others from the base. Returns the indices of the referenced shards (not to be finished).
+        First records what the arena holds now (:meth:`record`)."""
+        self.record()
         referenced: set[int] = set()
         for s, skipped in enumerate(self.skipped):
             if not any(skipped):

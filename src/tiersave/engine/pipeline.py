@@ -261,6 +261,8 @@ class StagedWrite:
         min_bytes = min(2 * plan.chunk_bytes, plan.total_bytes)
         self.arena_tensor = arena.reserve(plan.total_bytes, pinned=self.pinned, min_bytes=min_bytes)
         self.ring = Ring(int(self.arena_tensor.numel()))
+        if increment is not None:  # what the arena held from the previous save, before this one overwrites it
+            increment.claim(arena, self.arena_tensor, fits=plan.total_bytes <= self.ring.capacity)
         self._view = self.arena_tensor.numpy().data.cast("B")
         # One checksum per chunk: ``crc1[i]`` for a tensor of one chunk (every member of a group), a list in
         # ``crcs`` for a tensor of several. One flat list, not a list per tensor: 10^5 small allocations on the
@@ -311,7 +313,7 @@ class StagedWrite:
             self._cuda_stream.wait_stream(torch.cuda.current_stream())
         src: torch.Tensor | None = None
         src_index = -1
-        addresses, copier = self._addresses, self.copier
+        addresses, copier, inc = self._addresses, self.copier, self.increment
         arena_ptr = self.arena_tensor.data_ptr()
         for u in self.plan.units:
             self.ring.wait_free(u.global_offset + u.padded)
@@ -323,7 +325,11 @@ class StagedWrite:
                 # Each torch call (detach, view, reshape, data_ptr) releases and retakes the GIL, which on a
                 # loaded machine costs a wait behind the writer threads every time.
                 pos = segments[0][0]
-                copier.copy(arena_ptr + pos, addresses[u.tensor] + u.src_start, u.length)  # type: ignore[operator]
+                src_ptr: int = addresses[u.tensor] + u.src_start  # type: ignore[operator]
+                if inc is not None and inc.expects(u):
+                    inc.compare_staged(copier.copy_changed, [(u, (arena_ptr + pos, src_ptr, u.length))])
+                else:
+                    copier.copy(arena_ptr + pos, src_ptr, u.length)
                 if u.padded > u.length:
                     ctypes.memset(arena_ptr + pos + u.length, 0, u.padded - u.length)  # the format's zero padding
                 on_cuda = False
@@ -403,6 +409,8 @@ class StagedWrite:
         plan, addresses = self.plan, self._addresses
         nbytes, offsets = plan.nbytes, plan.offsets
         copies: list[tuple[int, int, int]] = []  # the large copies, shared out over the copier's threads
+        compares: list[tuple[Unit, tuple[int, int, int]]] = []  # where the arena may hold the same bytes already
+        inc = self.increment
         keep_alive = []  # contiguous copies made by source_bytes must outlive the memmoves
         memset, memmove, sources = ctypes.memset, small_memmove, self.sources
         for u in plan.units:
@@ -427,10 +435,16 @@ class StagedWrite:
                 src = source_bytes(self.sources[u.tensor])
                 keep_alive.append(src)
                 addr = src.data_ptr()
-            copies.append((arena_ptr + u.global_offset, addr + u.src_start, u.length))
+            copy = (arena_ptr + u.global_offset, addr + u.src_start, u.length)
+            if inc is not None and inc.expects(u):
+                compares.append((u, copy))
+            else:
+                copies.append(copy)
             if u.padded > u.length:
                 memset(arena_ptr + u.global_offset + u.length, 0, u.padded - u.length)
         copier.copy_many(copies)
+        if inc is not None and compares:
+            inc.compare_staged(copier.copy_changed, compares)
         del keep_alive
         submit, write = self.executor.submit, self._write_unit
         self.futures.extend(submit(write, u, [(u.global_offset, u.padded)], None) for u in plan.units)
@@ -459,24 +473,21 @@ class StagedWrite:
         try:
             if event is not None:
                 event.synchronize()
-            if self.increment is not None and self.increment.skip(u, segments, self._view):
-                # the same bytes as the base checkpoint's (by SHA-256): referenced, not written again, and their
-                # CRC-32C are the base's, so unchanged bytes are hashed once rather than hashed and checksummed
-                self.increment.take_crcs(u, self.crc1, self.crcs)
+            inc, checked = self.increment, False
+            if inc is not None and inc.unchanged(u):
+                # staging found the previous save's bytes here (memcmp): the CRC-32C every written chunk gets,
+                # checked against the base's, stands in for the content hash (about 3x less CPU per byte)
+                self._checksum(u, segments)
+                checked = True
+                if inc.take_unchanged(u, self.crc1, self.crcs):
+                    segments = []
+            if segments and inc is not None and inc.skip(u, segments, self._view):
+                # the same bytes as the base checkpoint's (by content hash): referenced, not written again, and
+                # their CRC-32C are the base's, so unchanged bytes are hashed rather than hashed and checksummed
+                inc.take_crcs(u, self.crc1, self.crcs)
                 segments = []
-            elif u.is_group:
-                self._checksum_group(u, segments)
-            else:
-                crc, seen = 0, 0
-                for pos, n in segments:
-                    take = max(0, min(n, u.length - seen))
-                    if take:
-                        crc = crc32c_update(crc, self._view[pos : pos + take])
-                    seen += n
-                if u.tensor in self.crcs:
-                    self.crcs[u.tensor][u.chunk] = f"{crc:08x}"
-                else:
-                    self.crc1[u.tensor] = f"{crc:08x}"
+            elif segments and not checked:
+                self._checksum(u, segments)
             offset = u.file_offset
             writer = self.writers[u.shard]
             for pos, n in segments:
@@ -486,6 +497,22 @@ class StagedWrite:
             self.ring.fail(exc)
             raise
         self.ring.release(u.global_offset, u.global_offset + u.padded)
+
+    def _checksum(self, u: Unit, segments: list[tuple[int, int]]) -> None:
+        """The CRC-32C of unit ``u`` (staged at ``segments``) into ``crc1``/``crcs``."""
+        if u.is_group:
+            self._checksum_group(u, segments)
+            return
+        crc, seen = 0, 0
+        for pos, n in segments:
+            take = max(0, min(n, u.length - seen))
+            if take:
+                crc = crc32c_update(crc, self._view[pos : pos + take])
+            seen += n
+        if u.tensor in self.crcs:
+            self.crcs[u.tensor][u.chunk] = f"{crc:08x}"
+        else:
+            self.crc1[u.tensor] = f"{crc:08x}"
 
     def _checksum_group(self, u: Unit, segments: list[tuple[int, int]]) -> None:
         nbytes, offsets, crcs, view = self.plan.nbytes, self.plan.offsets, self.crc1, self._view
@@ -525,9 +552,15 @@ class StagedWrite:
             fut.result()  # the first failure, if any
         crashpoint("after_shard_write")
         referenced = self.increment.settle(self.writers) if self.increment is not None else set()
-        for index, (shard, writer) in enumerate(zip(self.plan.shards, self.writers)):
-            if index not in referenced:
-                writer.finish(shard.size)
+        # On the writer threads, now idle: an incremental save's many small shards each wait for an fsync
+        syncs = [
+            self.executor.submit(writer.finish, shard.size)
+            for index, (shard, writer) in enumerate(zip(self.plan.shards, self.writers))
+            if index not in referenced
+        ]
+        wait(syncs)
+        for sync in syncs:
+            sync.result()
         crashpoint("after_shard_fsync")
         self.write_s = time.perf_counter() - start
         plan = self.plan
