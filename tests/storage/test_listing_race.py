@@ -30,8 +30,11 @@ class _StaleOnce:
 
 
 @pytest.mark.parametrize("where", ["local", "mem"])
-def test_a_listing_that_missed_the_commit_of_the_step_replacing_a_deleted_one_is_taken_again(tmp_path, where):
-    uri = str(tmp_path / "root") if where == "local" else f"mem://listing-race-{tmp_path.name}"
+def test_a_listing_that_missed_the_commit_of_the_step_replacing_a_deleted_one_is_taken_again(
+    tmp_path, monkeypatch, where
+):
+    monkeypatch.setenv("TIERSAVE_SHM_DIR", str(tmp_path / "shm"))  # the memory tier's files go with the test
+    uri = str(tmp_path / "root") if where == "local" else "mem://listing-race"
     with tiersave.Checkpointer(uri, keep_last=1, event_log=False) as ckpt:
         ckpt.save(1, {"w": torch.ones(4)})
         ckpt.save(2, {"w": torch.ones(4) * 2})  # commits step 2, then deletes step 1
