@@ -55,6 +55,17 @@ def _addr(t: torch.Tensor) -> int:
     return int(t.data_ptr())
 
 
+def _timed_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, memcpy: bool) -> float:
+    """Seconds to copy each source into its destination: ``memcpy(3)``, or torch's ``Tensor.copy_``."""
+    t0 = time.perf_counter()
+    for d, s in zip(dsts, srcs):
+        if memcpy:
+            ctypes.memmove(_addr(d), _addr(s), s.numel() * s.element_size())
+        else:
+            d.copy_(s)
+    return time.perf_counter() - t0
+
+
 class Bench:
     """The state, its live twin and the reference buffers, and one timed function per method."""
 
@@ -97,16 +108,10 @@ class Bench:
         self.buffered_stage_s: list[float] = []
 
     def memcpy(self) -> float:
-        t0 = time.perf_counter()
-        for d, s in zip(self.dst, self.src):
-            ctypes.memmove(_addr(d), _addr(s), s.numel() * s.element_size())
-        return time.perf_counter() - t0
+        return _timed_copies(self.dst, self.src, memcpy=True)
 
     def torch_copy(self) -> float:
-        t0 = time.perf_counter()
-        for d, s in zip(self.dst, self.src):
-            d.copy_(s)
-        return time.perf_counter() - t0
+        return _timed_copies(self.dst, self.src, memcpy=False)
 
     def mem_into(self) -> float:
         t0 = time.perf_counter()
@@ -154,17 +159,11 @@ class Bench:
         return seconds
 
     def dlrover_shm(self) -> float:
-        t0 = time.perf_counter()
-        for d, s in zip(self.shm_views, self.src):
-            d.copy_(s)
-        return time.perf_counter() - t0
+        return _timed_copies(self.shm_views, self.src, memcpy=False)
 
     def shm_memcpy(self) -> float:
         """The same copy into the shared-memory buffer with ``memcpy(3)``: the floor of any such save."""
-        t0 = time.perf_counter()
-        for d, s in zip(self.shm_views, self.src):
-            ctypes.memmove(_addr(d), _addr(s), s.numel() * s.element_size())
-        return time.perf_counter() - t0
+        return _timed_copies(self.shm_views, self.src, memcpy=True)
 
     def buffered_save(self) -> float:
         self.step += 1
