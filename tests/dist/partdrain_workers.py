@@ -1,0 +1,106 @@
+"""Rank programs for tests/dist/test_part_drains.py: a collective Checkpointer whose first tier is a memory tier on
+two simulated nodes (each node's memory directory under ``$TIERSAVE_TEST_SHM/node<GROUP_RANK>``), with peer
+replicas, and a later shared tier (``$TIERSAVE_TEST_LATER``: a local directory or an ``s3://`` URI) every second
+save. Each rank plays SCENARIO and writes what it saw to ``$TIERSAVE_DIST_OUT/rank<R>.json``. Not a test module."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Before tiersave opens a memory tier: each simulated node has its own memory (torchrun sets GROUP_RANK).
+if "TIERSAVE_TEST_SHM" in os.environ:  # not when the test module imports state() from here
+    os.environ["TIERSAVE_SHM_DIR"] = f"{os.environ['TIERSAVE_TEST_SHM']}/node{os.environ.get('GROUP_RANK', '0')}"
+if os.environ.get("GROUP_RANK") == "1" and os.environ.get("TIERSAVE_TEST_NODE1_CRASH"):  # one node of two dies
+    os.environ["TIERSAVE_CRASHPOINT"] = os.environ["TIERSAVE_TEST_NODE1_CRASH"]
+
+import tiersave  # noqa: E402
+from ckpt_workers import run_rank  # noqa: E402
+
+TIMEOUT_S = float(os.environ.get("TIERSAVE_DIST_TIMEOUT", "10"))
+LATER = os.environ.get("TIERSAVE_TEST_LATER", "/nonexistent")
+STEPS = int(os.environ.get("TIERSAVE_TEST_STEPS", "4"))
+
+
+def state(rank: int, step: int) -> dict[str, Any]:
+    """Each rank's own state, different per rank and step (bit-exact comparison after restore)."""
+    g = torch.Generator().manual_seed(rank * 7919 + step)
+    return {
+        "w": torch.randn(32 * 1024, generator=g),
+        "b": torch.arange(rank + 3, dtype=torch.int64) * step,
+        "data": {"rank": rank, "position": step * 10 + rank},
+    }
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return bool(torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"]) and a["data"] == b["data"])
+
+
+def checkpointer() -> tiersave.Checkpointer:
+    tiers = [tiersave.Tier("mem://run", replicas=1, keep=2), tiersave.Tier(LATER, name="durable", every=2, keep=2)]
+    return tiersave.Checkpointer(tiers=tiers, coordination_timeout_s=TIMEOUT_S)
+
+
+def drain(rank: int, rec: dict[str, Any]) -> None:
+    """Save STEPS steps; on node leaders, record what each drain to the later tier reported (its future)."""
+    rec["drains"] = {}
+    with checkpointer() as ckpt:
+        for step in range(1, STEPS + 1):
+            handle = ckpt.save_async(step, state(rank, step))
+            handle.result(60)
+            if "durable" in handle.tiers:
+                try:
+                    info = handle.tier_result("durable", 60)
+                    rec["drains"][str(step)] = "ok" if info is None else f"committed {info.step}"
+                except tiersave.TiersaveError as exc:
+                    rec["drains"][str(step)] = f"{type(exc).__name__}: {exc}"
+
+
+def kill(rank: int, rec: dict[str, Any]) -> None:
+    """As ``drain``, but node 1 dies (TIERSAVE_TEST_NODE1_CRASH: a crash point of its process) during its part of the last drain:
+    rank 0 records how long it took to learn of it, then leaves at once (no collective close: node 1 is gone)."""
+    rec["drains"] = {}
+    ckpt = checkpointer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, STEPS + 1):
+            handle = ckpt.save_async(step, state(rank, step))
+            handle.result(60)
+            if "durable" in handle.tiers:
+                started = time.monotonic()
+                try:
+                    handle.tier_result("durable", 120)
+                    rec["drains"][str(step)] = "ok"
+                except tiersave.TiersaveError as exc:
+                    rec["drains"][str(step)] = f"{type(exc).__name__}: {exc}"
+                    rec["error_after_s"] = time.monotonic() - started
+    rec["warnings"] = [str(w.message) for w in caught]
+    rec["exit_now"] = True
+
+
+def restore(rank: int, rec: dict[str, Any]) -> None:
+    """Restore the newest checkpoint with the same chain (the memory of both nodes wiped: the later tier)."""
+    live = state(rank, 0)
+    with checkpointer() as ckpt:
+        ckpt.restore(into=live)
+        report = ckpt.last_restore
+        rec.update(step=report.step, tier=report.tier, source=report.source)
+    rec["consistent"] = same(live, state(rank, rec["step"]))
+
+
+SCENARIOS = {f.__name__: f for f in (drain, kill, restore)}
+
+
+def main() -> None:
+    run_rank(lambda rank, world, rec: SCENARIOS[sys.argv[1]](rank, rec))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""A memory tier on two simulated nodes (torchrun ``--nnodes 2 --node-rank i`` on 127.0.0.1, each node its own
+memory directory, peer replicas) draining to a later shared tier: each node copies its own part, rank 0 commits
+the whole; the later tier's copy restores bit-exact once both nodes' memory is gone; a node killed during its
+part never lets that step become visible there."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tiersave
+from helpers import S3_TEST_OPTIONS
+from tiersave.catalog import Catalog
+from tiersave.partdrain import RECORD_PREFIX
+from tiersave.storage.posix import LocalStorage
+
+pytestmark = pytest.mark.dist
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "partdrain_workers.py"
+TIMEOUT_S = 10
+
+sys.path.insert(0, str(HERE))
+from partdrain_workers import same, state  # noqa: E402
+
+
+def env(tmp: Path, later: str, **extra: str) -> dict[str, str]:
+    return {
+        "TIERSAVE_TEST_SHM": str(tmp / "shm"),
+        "TIERSAVE_TEST_LATER": later,
+        "TIERSAVE_DIST_TIMEOUT": str(TIMEOUT_S),
+        **extra,
+    }
+
+
+def ok(job: Any, ranks: int = 2) -> Any:
+    for r in range(ranks):
+        assert "crash" not in job.rank(r), job.rank(r)["crash"]
+    return job
+
+
+def wipe_memory(tmp: Path) -> None:
+    shutil.rmtree(tmp / "shm")
+
+
+def check_restores_on_any_world(storage: Any, step: int) -> None:
+    """An ordinary committed checkpoint: one process reads each rank's state of it, bit-exact."""
+    with tiersave.Checkpointer(storage, event_log=False, writer_lock=False) as reader:
+        for r in range(2):
+            assert same(reader.restore(step, rank=r), state(r, step))
+
+
+def test_two_nodes_drain_their_parts_and_the_later_tier_restores_bit_exact(launch_torchrun, tmp_path):
+    later = tmp_path / "durable"
+    job = ok(launch_torchrun("drain", 2, 1, script=SCRIPT, env=env(tmp_path, str(later)), deadline_s=120))
+    # every second save is drained; rank 0 saw the commit, node 1's leader its part durable
+    assert job.rank(0)["drains"] == {"2": "committed 2", "4": "committed 4"}
+    assert job.rank(1)["drains"] == {"2": "ok", "4": "ok"}
+    catalog = Catalog(LocalStorage(later, create=False))
+    assert catalog.steps() == [2, 4]
+    for step in (2, 4):
+        assert catalog.verify(step).ok
+        assert {s.rank for s in catalog.manifest(step).shards} == {0, 1}  # both nodes' parts, one checkpoint
+    leftovers = [p.name for p in later.iterdir() if ".tmp-" in p.name]
+    records = [p for p in later.rglob(f"{RECORD_PREFIX}*")]
+    assert leftovers == [] and records == []  # no attempt left, no record inside a checkpoint
+    wipe_memory(tmp_path)
+    job = ok(launch_torchrun("restore", 2, 1, script=SCRIPT, env=env(tmp_path, str(later)), deadline_s=120))
+    for r in range(2):
+        rec = job.rank(r)
+        assert rec["step"] == 4 and rec["tier"] == "durable" and rec["consistent"], rec
+    check_restores_on_any_world(LocalStorage(later, create=False), 4)
+
+
+def test_a_node_killed_during_its_part_leaves_the_step_invisible_and_rank_0_names_it(launch, tmp_path):
+    later = tmp_path / "durable"
+    # node 1's process dies (SIGKILL) after copying its part of step 4, before its record. Plain processes with
+    # torchrun's variables rather than torchrun agents: a surviving agent would wait minutes at its exit barrier.
+    job = launch(
+        "kill",
+        2,
+        script=SCRIPT,
+        env=env(tmp_path, str(later), TIERSAVE_TEST_NODE1_CRASH="part_drain_written:2"),
+        rank_env={r: {"GROUP_RANK": str(r), "LOCAL_RANK": "0"} for r in range(2)},
+        deadline_s=90,
+    )
+    rec = job.rank(0)
+    assert 1 not in job.records  # node 1 died before writing its record
+    assert rec["drains"]["2"] == "ok"
+    failure = rec["drains"]["4"]
+    assert failure.startswith("DistributedCheckpointError: ") and "node 1 (ranks [1])" in failure, failure
+    assert rec["error_after_s"] < TIMEOUT_S + 10  # within the timeout, no hang
+    assert any("node 1" in w and "step 4" in w for w in rec["warnings"]), rec["warnings"]
+    catalog = Catalog(LocalStorage(later, create=False))
+    assert catalog.steps() == [2]  # step 4 never became visible
+    assert [p.name for p in later.iterdir() if p.name.startswith("step-")] == ["step-0000000002"]  # cleaned
+    wipe_memory(tmp_path)
+    check_restores_on_any_world(LocalStorage(later, create=False), 2)  # the previous one stays restorable
+
+
+def test_two_nodes_drain_to_an_object_store(launch_torchrun, tmp_path):
+    from tiersave.testing.seaweed import SeaweedServer
+
+    server = SeaweedServer.shared()
+    bucket = f"ts-partdrain-{tmp_path.name[-12:].lower().replace('_', '-')}"
+    storage = server.storage(bucket, "run", **S3_TEST_OPTIONS)  # creates the bucket
+    uri = server.uri(bucket, "run", **S3_TEST_OPTIONS)
+    job = ok(
+        launch_torchrun("drain", 2, 1, script=SCRIPT, env={**env(tmp_path, uri), **server.env()}, deadline_s=120)
+    )
+    assert job.rank(0)["drains"] == {"2": "committed 2", "4": "committed 4"}
+    catalog = Catalog(storage)
+    assert catalog.steps() == [2, 4] and catalog.verify(4).ok
+    assert not [o.key for o in storage.list("") if RECORD_PREFIX in o.key]
+    wipe_memory(tmp_path)
+    check_restores_on_any_world(storage, 4)
+    storage.close()
