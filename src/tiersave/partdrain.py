@@ -16,7 +16,8 @@ that node's memory only, so no single process can copy a checkpoint to a later (
   coordination timeout plus a transfer allowance; a node that reports an error or does not report fails the
   drain with an error naming it; otherwise every shard of the global manifest must be reported, with its size,
   and the manifest is committed with the tier's own protocol (rename, or a create-only put). A failed attempt
-  is removed by rank 0 (and, from a node still writing, by a later retention's leftover pass).
+  is removed by rank 0, and again after the tier's next commit (a node that was only slow may have written
+  to it meanwhile; by then every node has finished it).
 - Rank 0 runs the tier's retention after each commit; the other nodes never delete anything there.
 
 Scope: the cadence decision, the per-node part copy, the records and the global commit of a later tier of a
@@ -97,6 +98,11 @@ class PartDrains:
         self.ranks: dict[int, set[int]] = {}
         for ident in group.identities:
             self.ranks.setdefault(ident.node_rank, set()).add(ident.rank)
+        if self.coordinator and not self.leader:
+            raise ConfigError(
+                "a memory tier on several nodes with later tiers needs rank 0 to be local rank 0 of its node "
+                f"(torchrun's placement); this rank 0 has local rank {me.local_rank}"
+            )
         self.tiers = chain.tiers[1:]
         for tier in self.tiers:
             if tier.spec.compress is not None:
@@ -119,6 +125,7 @@ class PartDrains:
         self._count = dict.fromkeys((t.name for t in self.tiers), 0)
         self._last_sent: dict[str, float] = {}
         self._busy: dict[str, Future[CheckpointInfo | None]] = {}  # rank 0: each tier's drain in flight
+        self._aborted: dict[str, builtins.list[str]] = {}  # rank 0: failed attempts a slow node may still write to
 
     # -- the decision (commit thread) --------------------------------------------------------------
 
@@ -246,7 +253,18 @@ class PartDrains:
         )
         future.set_result(info)
         if self.coordinator:
+            self._sweep(tier)
             self.chain.retain(tier, tier.policy, leftovers=True)
+
+    def _sweep(self, tier: TierRuntime) -> None:
+        """Rank 0, after a commit on ``tier``: remove the failed attempts again. A node that was only slow may
+        have written its part there after rank 0 gave up; but every node has now reported a later step, and a
+        node drains one step at a time, so none writes to them any more."""
+        for prefix in self._aborted.pop(tier.name, []):
+            try:
+                tier.commit.abort(prefix)
+            except Exception as exc:  # retention's leftover pass gets it once rank 0's process has ended
+                background_warning(f"could not remove the failed attempt {prefix} from {tier.storage.uri}: {exc}")
 
     def _failed(
         self,
@@ -261,6 +279,7 @@ class PartDrains:
         the attempt. Either way the step is not on ``tier`` and a warning says why."""
         if self.coordinator:
             if prefix is not None:
+                self._aborted.setdefault(tier.name, []).append(prefix)
                 try:
                     tier.commit.abort(prefix)
                 except Exception as cleanup:
@@ -346,7 +365,8 @@ class PartDrains:
                 missing = ", ".join(f"node {n} (ranks {sorted(self.ranks[n])})" for n in pending)
                 message = (
                     f"the drain of step {step} to tier {tier.name} ({tier.storage.uri}) got no part from {missing} "
-                    f"within {limit:.0f} s; the attempt is discarded"
+                    f"within {limit:.0f} s (killed, hung, or not sharing this tier with rank 0?); the attempt is "
+                    "discarded"
                 )
                 raise DistributedCheckpointError(
                     message, {r: SaveTimeoutError(message) for n in pending for r in sorted(self.ranks[n])}

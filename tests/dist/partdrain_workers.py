@@ -21,8 +21,9 @@ if "TIERSAVE_TEST_SHM" in os.environ:  # not when the test module imports state(
 if os.environ.get("GROUP_RANK") == "1" and os.environ.get("TIERSAVE_TEST_NODE1_CRASH"):  # one node of two dies
     os.environ["TIERSAVE_CRASHPOINT"] = os.environ["TIERSAVE_TEST_NODE1_CRASH"]
 
-import tiersave  # noqa: E402
-from ckpt_workers import run_rank  # noqa: E402
+from ckpt_workers import run_rank
+
+import tiersave
 
 TIMEOUT_S = float(os.environ.get("TIERSAVE_DIST_TIMEOUT", "10"))
 LATER = os.environ.get("TIERSAVE_TEST_LATER", "/nonexistent")

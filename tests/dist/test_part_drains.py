@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import tiersave
 from helpers import S3_TEST_OPTIONS
 from tiersave.catalog import Catalog
+from tiersave.commit import commit_for
 from tiersave.partdrain import RECORD_PREFIX
 from tiersave.storage.posix import LocalStorage
 
@@ -65,9 +67,7 @@ def test_two_nodes_drain_their_parts_and_the_later_tier_restores_bit_exact(launc
     for step in (2, 4):
         assert catalog.verify(step).ok
         assert {s.rank for s in catalog.manifest(step).shards} == {0, 1}  # both nodes' parts, one checkpoint
-    leftovers = [p.name for p in later.iterdir() if ".tmp-" in p.name]
-    records = [p for p in later.rglob(f"{RECORD_PREFIX}*")]
-    assert leftovers == [] and records == []  # no attempt left, no record inside a checkpoint
+    assert Later("local", tmp_path).leftovers() == []  # no attempt left, no record inside a checkpoint
     wipe_memory(tmp_path)
     job = ok(launch_torchrun("restore", 2, 1, script=SCRIPT, env=env(tmp_path, str(later)), deadline_s=120))
     for r in range(2):
@@ -76,15 +76,46 @@ def test_two_nodes_drain_their_parts_and_the_later_tier_restores_bit_exact(launc
     check_restores_on_any_world(LocalStorage(later, create=False), 4)
 
 
-def test_a_node_killed_during_its_part_leaves_the_step_invisible_and_rank_0_names_it(launch, tmp_path):
-    later = tmp_path / "durable"
+class Later:
+    """The later tier of a test: a local directory, or a fresh bucket on the session's SeaweedFS server."""
+
+    def __init__(self, kind: str, tmp: Path) -> None:
+        self.env: dict[str, str] = {}
+        if kind == "local":
+            self.uri = str(tmp / "durable")
+            self.storage: Any = LocalStorage(self.uri)
+            return
+        from tiersave.testing.seaweed import SeaweedServer
+
+        server = SeaweedServer.shared()
+        bucket = f"ts-partdrain-{uuid.uuid4().hex[:16]}"
+        self.storage = server.storage(bucket, "run", **S3_TEST_OPTIONS)  # creates the bucket
+        self.uri = server.uri(bucket, "run", **S3_TEST_OPTIONS)
+        self.env = server.env()
+
+    def steps(self) -> list[int]:
+        return Catalog(self.storage).steps()
+
+    def leftovers(self) -> list[str]:
+        """Anything under the tier that is not a committed checkpoint's (attempts, records)."""
+        if isinstance(self.storage, LocalStorage):
+            root = Path(self.storage.root)
+            left = [p.name for p in root.iterdir() if ".tmp-" in p.name]
+            return left + [str(p) for p in root.rglob(f"{RECORD_PREFIX}*")]
+        left = [item.prefix for item in commit_for(self.storage).leftovers()]
+        return left + [o.key for o in self.storage.list("") if RECORD_PREFIX in o.key]
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_node_killed_during_its_part_leaves_the_step_invisible_and_rank_0_names_it(launch, tmp_path, kind):
+    later = Later(kind, tmp_path)
     # node 1's process dies (SIGKILL) after copying its part of step 4, before its record. Plain processes with
     # torchrun's variables rather than torchrun agents: a surviving agent would wait minutes at its exit barrier.
     job = launch(
         "kill",
         2,
         script=SCRIPT,
-        env=env(tmp_path, str(later), TIERSAVE_TEST_NODE1_CRASH="part_drain_written:2"),
+        env={**env(tmp_path, later.uri, TIERSAVE_TEST_NODE1_CRASH="part_drain_written:2"), **later.env},
         rank_env={r: {"GROUP_RANK": str(r), "LOCAL_RANK": "0"} for r in range(2)},
         deadline_s=90,
     )
@@ -95,27 +126,19 @@ def test_a_node_killed_during_its_part_leaves_the_step_invisible_and_rank_0_name
     assert failure.startswith("DistributedCheckpointError: ") and "node 1 (ranks [1])" in failure, failure
     assert rec["error_after_s"] < TIMEOUT_S + 10  # within the timeout, no hang
     assert any("node 1" in w and "step 4" in w for w in rec["warnings"]), rec["warnings"]
-    catalog = Catalog(LocalStorage(later, create=False))
-    assert catalog.steps() == [2]  # step 4 never became visible
-    assert [p.name for p in later.iterdir() if p.name.startswith("step-")] == ["step-0000000002"]  # cleaned
+    assert later.steps() == [2]  # step 4 never became visible
+    assert later.leftovers() == []  # node 1's part of the failed attempt was removed with it
     wipe_memory(tmp_path)
-    check_restores_on_any_world(LocalStorage(later, create=False), 2)  # the previous one stays restorable
+    check_restores_on_any_world(later.storage, 2)  # the previous one stays restorable
 
 
 def test_two_nodes_drain_to_an_object_store(launch_torchrun, tmp_path):
-    from tiersave.testing.seaweed import SeaweedServer
-
-    server = SeaweedServer.shared()
-    bucket = f"ts-partdrain-{tmp_path.name[-12:].lower().replace('_', '-')}"
-    storage = server.storage(bucket, "run", **S3_TEST_OPTIONS)  # creates the bucket
-    uri = server.uri(bucket, "run", **S3_TEST_OPTIONS)
+    later = Later("s3", tmp_path)
     job = ok(
-        launch_torchrun("drain", 2, 1, script=SCRIPT, env={**env(tmp_path, uri), **server.env()}, deadline_s=120)
+        launch_torchrun("drain", 2, 1, script=SCRIPT, env={**env(tmp_path, later.uri), **later.env}, deadline_s=120)
     )
     assert job.rank(0)["drains"] == {"2": "committed 2", "4": "committed 4"}
-    catalog = Catalog(storage)
-    assert catalog.steps() == [2, 4] and catalog.verify(4).ok
-    assert not [o.key for o in storage.list("") if RECORD_PREFIX in o.key]
+    assert later.steps() == [2, 4] and Catalog(later.storage).verify(4).ok
+    assert later.leftovers() == []
     wipe_memory(tmp_path)
-    check_restores_on_any_world(storage, 4)
-    storage.close()
+    check_restores_on_any_world(later.storage, 4)
