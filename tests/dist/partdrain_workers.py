@@ -52,16 +52,21 @@ def checkpointer() -> tiersave.Checkpointer:
 def drain(rank: int, rec: dict[str, Any]) -> None:
     """Save STEPS steps; on node leaders, record what each drain to the later tier reported (its future)."""
     rec["drains"] = {}
+    blocked = os.environ.get("TIERSAVE_TEST_NODE1_BLOCK_STEP")
+    if blocked and os.environ.get("GROUP_RANK") == "1":  # a directory in the way: node 1 cannot commit that step
+        (Path(os.environ["TIERSAVE_SHM_DIR"]) / "run" / f"step-{int(blocked):010d}").mkdir(parents=True)
     with checkpointer() as ckpt:
         for step in range(1, STEPS + 1):
             handle = ckpt.save_async(step, state(rank, step))
             handle.result(60)
             if "durable" in handle.tiers:
+                started = time.monotonic()
                 try:
                     info = handle.tier_result("durable", 60)
                     rec["drains"][str(step)] = "ok" if info is None else f"committed {info.step}"
                 except tiersave.TiersaveError as exc:
                     rec["drains"][str(step)] = f"{type(exc).__name__}: {exc}"
+                    rec["error_after_s"] = time.monotonic() - started
 
 
 def kill(rank: int, rec: dict[str, Any]) -> None:

@@ -142,3 +142,18 @@ def test_two_nodes_drain_to_an_object_store(launch_torchrun, tmp_path):
     assert later.leftovers() == []
     wipe_memory(tmp_path)
     check_restores_on_any_world(later.storage, 4)
+
+
+def test_a_node_that_cannot_drain_its_part_fails_the_drain_at_once_naming_it(launch_torchrun, tmp_path):
+    """Node 1 cannot commit step 4 in its memory (a directory in the way), so it has no part to drain: its record
+    says so, and rank 0 fails that drain at once (not at its timeout); the other steps drain as usual."""
+    later = Later("local", tmp_path)
+    extra = {"TIERSAVE_TEST_NODE1_BLOCK_STEP": "4"}
+    job = ok(launch_torchrun("drain", 2, 1, script=SCRIPT, env=env(tmp_path, later.uri, **extra), deadline_s=120))
+    rec = job.rank(0)
+    assert rec["drains"]["2"] == "committed 2"
+    failure = rec["drains"]["4"]
+    assert failure.startswith("DistributedCheckpointError: ") and "failed on node 1" in failure, failure
+    assert "node 1's memory copy of step 4 could not be committed" in failure
+    assert rec["error_after_s"] < TIMEOUT_S / 2  # the record, not the timeout
+    assert later.steps() == [2] and later.leftovers() == []
