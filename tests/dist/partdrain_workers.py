@@ -12,8 +12,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Before tiersave opens a memory tier: each simulated node has its own memory (torchrun sets GROUP_RANK).
 if "TIERSAVE_TEST_SHM" in os.environ:  # not when the test module imports state() from here
@@ -22,6 +20,7 @@ if os.environ.get("GROUP_RANK") == "1" and os.environ.get("TIERSAVE_TEST_NODE1_C
     os.environ["TIERSAVE_CRASHPOINT"] = os.environ["TIERSAVE_TEST_NODE1_CRASH"]
 
 from ckpt_workers import run_rank
+from replica_workers import same, state
 
 import tiersave
 
@@ -30,63 +29,44 @@ LATER = os.environ.get("TIERSAVE_TEST_LATER", "/nonexistent")
 STEPS = int(os.environ.get("TIERSAVE_TEST_STEPS", "4"))
 
 
-def state(rank: int, step: int) -> dict[str, Any]:
-    """Each rank's own state, different per rank and step (bit-exact comparison after restore)."""
-    g = torch.Generator().manual_seed(rank * 7919 + step)
-    return {
-        "w": torch.randn(32 * 1024, generator=g),
-        "b": torch.arange(rank + 3, dtype=torch.int64) * step,
-        "data": {"rank": rank, "position": step * 10 + rank},
-    }
-
-
-def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return bool(torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"]) and a["data"] == b["data"])
-
-
 def checkpointer() -> tiersave.Checkpointer:
     tiers = [tiersave.Tier("mem://run", replicas=1, keep=2), tiersave.Tier(LATER, name="durable", every=2, keep=2)]
     return tiersave.Checkpointer(tiers=tiers, coordination_timeout_s=TIMEOUT_S)
 
 
-def drain(rank: int, rec: dict[str, Any]) -> None:
-    """Save STEPS steps; on node leaders, record what each drain to the later tier reported (its future)."""
+def saves(ckpt: tiersave.Checkpointer, rank: int, rec: dict[str, Any]) -> None:
+    """Save STEPS steps; on node leaders, record what each drain to the later tier reported (its future) and,
+    for a failed one, how long it took to learn of it."""
     rec["drains"] = {}
+    for step in range(1, STEPS + 1):
+        handle = ckpt.save_async(step, state(rank, step))
+        handle.result(60)
+        if "durable" in handle.tiers:
+            started = time.monotonic()
+            try:
+                info = handle.tier_result("durable", 120)
+                rec["drains"][str(step)] = "ok" if info is None else f"committed {info.step}"
+            except tiersave.TiersaveError as exc:
+                rec["drains"][str(step)] = f"{type(exc).__name__}: {exc}"
+                rec["error_after_s"] = time.monotonic() - started
+
+
+def drain(rank: int, rec: dict[str, Any]) -> None:
+    """``saves``, then a collective close. TIERSAVE_TEST_NODE1_BLOCK_STEP: node 1 cannot commit that step."""
     blocked = os.environ.get("TIERSAVE_TEST_NODE1_BLOCK_STEP")
-    if blocked and os.environ.get("GROUP_RANK") == "1":  # a directory in the way: node 1 cannot commit that step
+    if blocked and os.environ.get("GROUP_RANK") == "1":  # a directory in the way of the commit's rename
         (Path(os.environ["TIERSAVE_SHM_DIR"]) / "run" / f"step-{int(blocked):010d}").mkdir(parents=True)
     with checkpointer() as ckpt:
-        for step in range(1, STEPS + 1):
-            handle = ckpt.save_async(step, state(rank, step))
-            handle.result(60)
-            if "durable" in handle.tiers:
-                started = time.monotonic()
-                try:
-                    info = handle.tier_result("durable", 60)
-                    rec["drains"][str(step)] = "ok" if info is None else f"committed {info.step}"
-                except tiersave.TiersaveError as exc:
-                    rec["drains"][str(step)] = f"{type(exc).__name__}: {exc}"
-                    rec["error_after_s"] = time.monotonic() - started
+        saves(ckpt, rank, rec)
 
 
 def kill(rank: int, rec: dict[str, Any]) -> None:
-    """As ``drain``, but node 1 dies (TIERSAVE_TEST_NODE1_CRASH: a crash point of its process) during its part of the last drain:
-    rank 0 records how long it took to learn of it, then leaves at once (no collective close: node 1 is gone)."""
-    rec["drains"] = {}
+    """``saves``, while node 1 dies (TIERSAVE_TEST_NODE1_CRASH: a crash point of its process) during its part of
+    the last drain; rank 0 then leaves at once (no collective close: node 1 is gone)."""
     ckpt = checkpointer()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(1, STEPS + 1):
-            handle = ckpt.save_async(step, state(rank, step))
-            handle.result(60)
-            if "durable" in handle.tiers:
-                started = time.monotonic()
-                try:
-                    handle.tier_result("durable", 120)
-                    rec["drains"][str(step)] = "ok"
-                except tiersave.TiersaveError as exc:
-                    rec["drains"][str(step)] = f"{type(exc).__name__}: {exc}"
-                    rec["error_after_s"] = time.monotonic() - started
+        saves(ckpt, rank, rec)
     rec["warnings"] = [str(w.message) for w in caught]
     rec["exit_now"] = True
 

@@ -27,7 +27,7 @@ SCRIPT = HERE / "partdrain_workers.py"
 TIMEOUT_S = 10
 
 sys.path.insert(0, str(HERE))
-from partdrain_workers import same, state  # noqa: E402
+from replica_workers import same, state  # noqa: E402
 
 
 def env(tmp: Path, later: str, **extra: str) -> dict[str, str]:
@@ -121,7 +121,7 @@ def test_a_node_killed_during_its_part_leaves_the_step_invisible_and_rank_0_name
     )
     rec = job.rank(0)
     assert 1 not in job.records  # node 1 died before writing its record
-    assert rec["drains"]["2"] == "ok"
+    assert rec["drains"]["2"] == "committed 2"
     failure = rec["drains"]["4"]
     assert failure.startswith("DistributedCheckpointError: ") and "node 1 (ranks [1])" in failure, failure
     assert rec["error_after_s"] < TIMEOUT_S + 10  # within the timeout, no hang
