@@ -49,22 +49,23 @@ def wipe_memory(tmp: Path) -> None:
     shutil.rmtree(tmp / "shm")
 
 
-def check_restores_on_any_world(storage: Any, step: int) -> None:
+def check_restores_on_any_world(storage: Any, step: int, world: int = 2) -> None:
     """An ordinary committed checkpoint: one process reads each rank's state of it, bit-exact."""
     with tiersave.Checkpointer(storage, event_log=False, writer_lock=False) as reader:
-        for r in range(2):
+        for r in range(world):
             assert same(reader.restore(step, rank=r), state(r, step))
 
 
 def test_two_nodes_drain_their_parts_and_the_later_tier_restores_bit_exact(launch_torchrun, tmp_path):
     later = tmp_path / "durable"
-    job = ok(launch_torchrun("drain", 2, 1, script=SCRIPT, env=env(tmp_path, str(later)), deadline_s=120))
+    job = launch_torchrun("drain", 2, 1, script=SCRIPT, env=env(tmp_path, str(later), TIERSAVE_TEST_STEPS="6"))
+    ok(job)
     # every second save is drained; rank 0 saw the commit, node 1's leader its part durable
-    assert job.rank(0)["drains"] == {"2": "committed 2", "4": "committed 4"}
-    assert job.rank(1)["drains"] == {"2": "ok", "4": "ok"}
+    assert job.rank(0)["drains"] == {"2": "committed 2", "4": "committed 4", "6": "committed 6"}
+    assert job.rank(1)["drains"] == {"2": "ok", "4": "ok", "6": "ok"}
     catalog = Catalog(LocalStorage(later, create=False))
-    assert catalog.steps() == [2, 4]
-    for step in (2, 4):
+    assert catalog.steps() == [4, 6]  # rank 0 ran the tier's retention (keep=2)
+    for step in (4, 6):
         assert catalog.verify(step).ok
         assert {s.rank for s in catalog.manifest(step).shards} == {0, 1}  # both nodes' parts, one checkpoint
     assert Later("local", tmp_path).leftovers() == []  # no attempt left, no record inside a checkpoint
@@ -72,8 +73,8 @@ def test_two_nodes_drain_their_parts_and_the_later_tier_restores_bit_exact(launc
     job = ok(launch_torchrun("restore", 2, 1, script=SCRIPT, env=env(tmp_path, str(later)), deadline_s=120))
     for r in range(2):
         rec = job.rank(r)
-        assert rec["step"] == 4 and rec["tier"] == "durable" and rec["consistent"], rec
-    check_restores_on_any_world(LocalStorage(later, create=False), 4)
+        assert rec["step"] == 6 and rec["tier"] == "durable" and rec["consistent"], rec
+    check_restores_on_any_world(LocalStorage(later, create=False), 6)
 
 
 class Later:
@@ -132,16 +133,18 @@ def test_a_node_killed_during_its_part_leaves_the_step_invisible_and_rank_0_name
     check_restores_on_any_world(later.storage, 2)  # the previous one stays restorable
 
 
-def test_two_nodes_drain_to_an_object_store(launch_torchrun, tmp_path):
+def test_two_nodes_of_two_ranks_drain_to_an_object_store(launch_torchrun, tmp_path):
     later = Later("s3", tmp_path)
-    job = ok(
-        launch_torchrun("drain", 2, 1, script=SCRIPT, env={**env(tmp_path, later.uri), **later.env}, deadline_s=120)
-    )
+    job = launch_torchrun("drain", 2, 2, script=SCRIPT, env={**env(tmp_path, later.uri), **later.env}, deadline_s=150)
+    ok(job, 4)
     assert job.rank(0)["drains"] == {"2": "committed 2", "4": "committed 4"}
+    assert job.rank(2)["drains"] == {"2": "ok", "4": "ok"}  # node 1's leader
+    assert job.rank(1)["drains"] == job.rank(3)["drains"] == {}  # only node leaders drain
     assert later.steps() == [2, 4] and Catalog(later.storage).verify(4).ok
+    assert {s.rank for s in Catalog(later.storage).manifest(4).shards} == {0, 1, 2, 3}
     assert later.leftovers() == []
     wipe_memory(tmp_path)
-    check_restores_on_any_world(later.storage, 4)
+    check_restores_on_any_world(later.storage, 4, world=4)
 
 
 def test_a_node_that_cannot_drain_its_part_fails_the_drain_at_once_naming_it(launch_torchrun, tmp_path):
