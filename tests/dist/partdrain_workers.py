@@ -29,8 +29,11 @@ LATER = os.environ.get("TIERSAVE_TEST_LATER", "/nonexistent")
 STEPS = int(os.environ.get("TIERSAVE_TEST_STEPS", "4"))
 
 
+EVERY = int(os.environ.get("TIERSAVE_TEST_EVERY", "2"))
+
+
 def checkpointer() -> tiersave.Checkpointer:
-    tiers = [tiersave.Tier("mem://run", replicas=1, keep=2), tiersave.Tier(LATER, name="durable", every=2, keep=2)]
+    tiers = [tiersave.Tier("mem://run", replicas=1, keep=2), tiersave.Tier(LATER, name="durable", every=EVERY, keep=2)]
     return tiersave.Checkpointer(tiers=tiers, coordination_timeout_s=TIMEOUT_S)
 
 
@@ -71,6 +74,20 @@ def kill(rank: int, rec: dict[str, Any]) -> None:
     rec["exit_now"] = True
 
 
+def burst(rank: int, rec: dict[str, Any]) -> None:
+    """Save STEPS steps back to back, every one due on the later tier, waiting for the drains only at the end:
+    a tier still draining skips a step. Record which steps each node leader drained, and rank 0's warnings."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with checkpointer() as ckpt:
+            handles = [ckpt.save_async(step, state(rank, step)) for step in range(1, STEPS + 1)]
+            ckpt.wait(120)
+    sent = [h for h in handles if "durable" in h.tiers]
+    rec["drained"] = [h.step for h in sent if h.tiers["durable"].exception(60) is None]
+    rec["failed"] = [h.step for h in sent if h.tiers["durable"].exception(60) is not None]
+    rec["warnings"] = [str(w.message) for w in caught]
+
+
 def restore(rank: int, rec: dict[str, Any]) -> None:
     """Restore the newest checkpoint with the same chain (the memory of both nodes wiped: the later tier)."""
     live = state(rank, 0)
@@ -81,7 +98,7 @@ def restore(rank: int, rec: dict[str, Any]) -> None:
     rec["consistent"] = same(live, state(rank, rec["step"]))
 
 
-SCENARIOS = {f.__name__: f for f in (drain, kill, restore)}
+SCENARIOS = {f.__name__: f for f in (drain, kill, burst, restore)}
 
 
 def main() -> None:

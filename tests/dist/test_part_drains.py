@@ -160,3 +160,18 @@ def test_a_node_that_cannot_drain_its_part_fails_the_drain_at_once_naming_it(lau
     assert "node 1's memory copy of step 4 could not be committed" in failure
     assert rec["error_after_s"] < TIMEOUT_S / 2  # the record, not the timeout
     assert later.steps() == [2] and later.leftovers() == []
+
+
+def test_a_busy_tier_skips_the_same_steps_on_every_node(launch_torchrun, tmp_path):
+    """Saves back to back, each due on the later tier: rank 0 skips a step while the nodes still drain an
+    earlier one (a warning names it), and every node drains exactly the steps rank 0 chose."""
+    later = Later("local", tmp_path)
+    extra = {"TIERSAVE_TEST_STEPS": "8", "TIERSAVE_TEST_EVERY": "1"}
+    job = ok(launch_torchrun("burst", 2, 1, script=SCRIPT, env=env(tmp_path, later.uri, **extra), deadline_s=150))
+    first, second = job.rank(0), job.rank(1)
+    assert first["failed"] == second["failed"] == []
+    assert first["drained"] == second["drained"] and first["drained"][0] == 1, (first, second)
+    skipped = [s for s in range(1, 9) if s not in first["drained"]]
+    for step in skipped:
+        assert any(w.startswith(f"step {step} is not sent to tier durable") for w in first["warnings"]), step
+    assert later.steps() == first["drained"][-2:] and later.leftovers() == []
