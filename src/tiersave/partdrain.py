@@ -58,9 +58,10 @@ from .format.manifest import Manifest
 if TYPE_CHECKING:  # pragma: no cover
     from .collective import Collective
     from .handle import SaveHandle
+    from .storage.base import Storage
     from .tiers import TierChain, TierRuntime
 
-__all__ = ["PartDrains", "of", "record_name"]
+__all__ = ["PartDrains", "of", "read_record", "record_name"]
 
 RECORD_PREFIX = "part-node-"
 _RECORD_MAX_BYTES = 1 << 20
@@ -348,7 +349,7 @@ class PartDrains:
         got: dict[int, dict[str, int]] = {}
         while True:
             for node in list(pending):
-                record = self._read(tier, prefix, node, step)
+                record = read_record(tier.storage, prefix, node, step)
                 if record is None:
                     continue
                 if isinstance(record, str):
@@ -373,31 +374,6 @@ class PartDrains:
                 )
             time.sleep(_POLL_S)
 
-    def _read(self, tier: TierRuntime, prefix: str, node: int, step: int) -> dict[str, int] | str | None:
-        """Node ``node``'s record: its shards and sizes, its error (a string), or None while absent. Parsed
-        defensively: a malformed record is an error of that node."""
-        key = f"{prefix}/{record_name(node)}"
-        try:
-            data = tier.storage.get(key, max_bytes=_RECORD_MAX_BYTES)
-        except ObjectNotFoundError:
-            return None
-        except FormatError as exc:
-            return f"its record {key} is unreadable: {exc}"
-        try:
-            record = json.loads(data)
-        except ValueError as exc:
-            return f"its record {key} is not JSON: {exc}"
-        if not isinstance(record, dict) or record.get("node") != node or record.get("step") != step:
-            return f"its record {key} is not node {node}'s record of step {step}"
-        if "error" in record:
-            return str(record["error"])
-        shards = record.get("shards")
-        if not isinstance(shards, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in shards.items()
-        ):
-            return f"its record {key} lists no shards"
-        return shards
-
     # -- the Companion protocol -----------------------------------------------------------------------
 
     def pools(self) -> builtins.list[DaemonThreadPool]:
@@ -406,6 +382,33 @@ class PartDrains:
     def close(self, wait: bool = True) -> None:
         for pool in self._pools.values():
             pool.shutdown(wait=wait)
+
+
+def read_record(storage: Storage, prefix: str, node: int, step: int) -> dict[str, int] | str | None:
+    """Node ``node``'s "part durable" record of ``step`` in the attempt ``prefix``: its shards and their sizes,
+    its error (a string), or None while it is absent. Parsed defensively: a malformed record is reported as
+    that node's error, never trusted."""
+    key = f"{prefix}/{record_name(node)}"
+    try:
+        data = storage.get(key, max_bytes=_RECORD_MAX_BYTES)
+    except ObjectNotFoundError:
+        return None
+    except FormatError as exc:
+        return f"its record {key} is unreadable: {exc}"
+    try:
+        record = json.loads(data)
+    except ValueError as exc:
+        return f"its record {key} is not JSON: {exc}"
+    if not isinstance(record, dict) or record.get("node") != node or record.get("step") != step:
+        return f"its record {key} is not node {node}'s record of step {step}"
+    if "error" in record:
+        return str(record["error"])
+    shards = record.get("shards")
+    if not isinstance(shards, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in shards.items()
+    ):
+        return f"its record {key} lists no valid shards"
+    return shards
 
 
 def of(chain: TierChain) -> PartDrains | None:
