@@ -84,7 +84,7 @@ class PartDrains:
         collective: the job's collective (identities, the timeout, the attempt tokens).
 
     Raises:
-        ConfigError: a later tier with ``compress=`` (not supported on part drains yet).
+        ConfigError: a later tier with ``compress=`` or ``incremental=`` (not supported on part drains yet).
     """
 
     def __init__(self, chain: TierChain, collective: Collective) -> None:
@@ -106,10 +106,12 @@ class PartDrains:
             )
         self.tiers = chain.tiers[1:]
         for tier in self.tiers:
-            if tier.spec.compress is not None:
+            # incremental= is read by name: the option may be newer than this module's view of Tier
+            options = [o for o in ("compress", "incremental") if getattr(tier.spec, o, None) not in (None, False)]
+            if options:
                 raise ConfigError(
-                    f"compress= on tier {tier.name} is not supported after a memory tier on {len(self.ranks)} nodes "
-                    "(each node drains its own part); leave it out"
+                    f"{'= and '.join(options)}= on tier {tier.name} is not supported after a memory tier on "
+                    f"{len(self.ranks)} nodes (each node drains its own part); leave it out"
                 )
         self._pools: dict[str, DaemonThreadPool] = {}
         for tier in self.tiers:

@@ -88,6 +88,16 @@ def burst(rank: int, rec: dict[str, Any]) -> None:
     rec["warnings"] = [str(w.message) for w in caught]
 
 
+def refused(rank: int, rec: dict[str, Any]) -> None:
+    """A compressed later tier after a memory tier on nodes: refused on every rank when the Checkpointer opens."""
+    tiers = [tiersave.Tier("mem://run"), tiersave.Tier(LATER, name="durable", compress="zstd")]
+    try:
+        tiersave.Checkpointer(tiers=tiers, coordination_timeout_s=TIMEOUT_S).close()
+        rec["opened"] = True
+    except tiersave.TiersaveError as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+
+
 def restore(rank: int, rec: dict[str, Any]) -> None:
     """Restore the newest checkpoint with the same chain (the memory of both nodes wiped: the later tier)."""
     live = state(rank, 0)
@@ -98,7 +108,7 @@ def restore(rank: int, rec: dict[str, Any]) -> None:
     rec["consistent"] = same(live, state(rank, rec["step"]))
 
 
-SCENARIOS = {f.__name__: f for f in (drain, kill, burst, restore)}
+SCENARIOS = {f.__name__: f for f in (drain, kill, burst, refused, restore)}
 
 
 def main() -> None:

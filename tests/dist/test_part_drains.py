@@ -175,3 +175,13 @@ def test_a_busy_tier_skips_the_same_steps_on_every_node(launch_torchrun, tmp_pat
     for step in skipped:
         assert any(w.startswith(f"step {step} is not sent to tier durable") for w in first["warnings"]), step
     assert later.steps() == first["drained"][-2:] and later.leftovers() == []
+
+
+def test_a_compressed_later_tier_is_refused_on_every_rank(launch, tmp_path):
+    later = Later("local", tmp_path)
+    rank_env = {r: {"GROUP_RANK": str(r), "LOCAL_RANK": "0"} for r in range(2)}
+    job = ok(launch("refused", 2, script=SCRIPT, env=env(tmp_path, later.uri), rank_env=rank_env, deadline_s=60))
+    for r in range(2):
+        error = job.rank(r).get("error", "")
+        assert error.startswith("ConfigError: compress= on tier durable is not supported after a memory tier"), error
+    assert later.steps() == []
