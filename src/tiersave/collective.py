@@ -66,6 +66,12 @@ class Collective:
         digest = hashlib.sha256(f"{self._secret}/{next(self._counter)}".encode()).hexdigest()[:16]
         return f"{self._owner}-{digest}"
 
+    def derived_token(self, label: str) -> str:
+        """A token of the same form that every rank derives alike from ``label`` (e.g. a drain's tier and step),
+        with no exchange and without advancing the saves' counter."""
+        digest = hashlib.sha256(f"{self._secret}/{label}".encode()).hexdigest()[:16]
+        return f"{self._owner}-{digest}"
+
 
 def join(process_group: Any, timeout_s: float) -> Collective | None:
     """The Checkpointer's :class:`Collective` when ``torch.distributed`` is initialized with more than one rank

@@ -51,7 +51,7 @@ from .storage.posix.buffers import aligned_buffer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CopyResult", "copy_checkpoint", "copy_checkpoints", "same_checkpoint"]
+__all__ = ["CopyResult", "copy_checkpoint", "copy_checkpoints", "copy_shards", "destination_names", "same_checkpoint"]
 
 DEFAULT_BUFFER_BYTES = 256 << 20
 
@@ -136,7 +136,7 @@ def same_checkpoint(a: Manifest, b: Manifest) -> bool:
     return bool(a.tree == b.tree)
 
 
-def _destination_names(manifest: Manifest) -> list[str]:
+def destination_names(manifest: Manifest) -> list[str]:
     """Single-component shard names for the destination (it may add its own attempt prefix)."""
     names = [s.file.rsplit("/", 1)[-1] for s in manifest.shards]
     if len(set(names)) == len(names):
@@ -269,7 +269,7 @@ def copy_checkpoint(
     pool = executor or ThreadPoolExecutor(threads, thread_name_prefix="tiersave-copy")
     commit = commit_for(dst)
     prefix = commit.begin(step)
-    names = _destination_names(manifest)
+    names = destination_names(manifest)
     writers: list[BlobWriter] = []
     chunks = _chunks(manifest)
     total = sum(c.length for c in chunks)
@@ -347,6 +347,70 @@ def copy_checkpoint(
         read_back=read_back,
         file_bytes=written.file_bytes,
     )
+
+
+def copy_shards(
+    src: Storage,
+    dst: Storage,
+    manifest: Manifest,
+    prefix: str,
+    shards: Sequence[int],
+    *,
+    executor: Executor,
+    buffer_bytes: int | None = None,
+) -> dict[str, int]:
+    """Copy some shards of the committed checkpoint ``manifest`` describes, verified, into ``prefix`` on
+    ``dst``, without a commit: one node's part of a checkpoint whose other shards other processes copy into
+    the same attempt (partdrain.py). Each shard is durable on ``dst`` when this returns.
+
+    Args:
+        src: where the checkpoint is committed (it may hold only these shards).
+        dst: where to copy them.
+        manifest: the checkpoint's manifest, as committed on ``src``.
+        prefix: the attempt prefix on ``dst`` (from ``commit_for(dst).begin``).
+        shards: indices into ``manifest.shards``.
+        executor: the pool that moves the chunks.
+        buffer_bytes: memory for chunk buffers (default 256 MiB; at least two chunks are used).
+
+    Returns:
+        The destination name (single component, as :func:`destination_names`) -> size of each shard written.
+
+    Raises:
+        CorruptCheckpointError: a source chunk failed its checksum, or a shard has the wrong size.
+        StorageError: I/O on either side failed. What this call wrote is removed first.
+    """
+    names = destination_names(manifest)
+    chosen = set(shards)
+    budget = buffer_bytes if buffer_bytes is not None else DEFAULT_BUFFER_BYTES
+    nbuffers = max(2, budget // manifest.chunk_bytes)
+    source = Catalog(src)
+    where = source.location(manifest.step)
+    writers: dict[int, BlobWriter] = {}
+    try:
+        with source.open(manifest.step) as ckpt:
+            for index in sorted(chosen):
+                ckpt.reader(index)  # open and size-check every source shard before writing anything
+            for index in sorted(chosen):
+                writers[index] = dst.open_writer(f"{prefix}/{names[index]}", size_hint=manifest.shards[index].size)
+
+            def transfer(chunk: _Chunk, view: memoryview) -> None:
+                ckpt.reader(chunk.shard).read_into(chunk.offset, view)
+                _check(view, chunk, manifest, where)
+                writers[chunk.shard].write_at(chunk.offset, view)
+
+            _Pump(executor, nbuffers, manifest.chunk_bytes).run(
+                [c for c in _chunks(manifest) if c.shard in chosen], transfer
+            )
+            for index, writer in writers.items():
+                writer.finish(manifest.shards[index].size)
+    except BaseException:
+        for writer in writers.values():
+            try:
+                writer.abort()
+            except Exception:
+                log.warning("could not discard %s after a failed copy", writer.key, exc_info=True)
+        raise
+    return {names[i]: manifest.shards[i].size for i in sorted(chosen)}
 
 
 def _existing(dst: Storage, step: int) -> Manifest | None:

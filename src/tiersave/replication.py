@@ -39,6 +39,7 @@ from .catalog import Catalog, CheckpointInfo, OpenCheckpoint
 from .engine.pool import DaemonThreadPool
 from .errors import CheckpointNotFoundError, ConfigError, TiersaveError
 from .events import background_warning
+from .partdrain import PartDrains
 from .replica import PeerAddress, PeerClient, ReplicaServer, fetch_part
 from .replica_read import read_from_holders
 from .storage.base import Storage
@@ -423,21 +424,31 @@ def node_ranks(group: CoordinationGroup) -> Sequence[int]:
 
 def attach(chain: TierChain, collective: Collective | None) -> Replicas | None:
     """Give a Checkpointer's chain its peer replicas (one of ``chain.companions``; None without ``replicas``),
-    after checking that a node-local first tier (a memory tier in a job on several nodes: each node holds its
-    own ranks' shards) has no later tier. Collective: every rank calls it, in the same order.
+    and, for a node-local first tier (a memory tier in a job on several nodes: each node holds its own ranks'
+    shards) with later tiers, its part drains (partdrain.py). Collective: every rank calls it, in the same order.
 
     Raises:
-        ConfigError: a node-local first tier followed by later tiers (not supported yet), or more replicas
-            than other nodes.
+        ConfigError: more replicas than other nodes, or a later tier the part drains do not support.
     """
+    group = collective.group if collective is not None else None
+    replicas: Replicas | None = None
     try:
-        replicas = _attach(chain, collective.group if collective is not None else None)
+        replicas = _attach(chain, group)
+        if collective is not None and _node_local(chain, group) and len(chain.tiers) > 1:
+            chain.companions.append(PartDrains(chain, collective))  # each node drains its own part
     except BaseException:
+        if replicas is not None:
+            replicas.close(wait=False)
         chain.shutdown(wait=False)
         raise
     if replicas is not None:
         chain.companions.append(replicas)  # waited for and closed with the chain's drains; found by restore
     return replicas
+
+
+def _node_local(chain: TierChain, group: CoordinationGroup | None) -> bool:
+    """Whether ``chain``'s first tier is a memory tier of a job on several nodes (each node holds its part)."""
+    return group is not None and isinstance(chain.first.storage, MemoryStorage) and group.identity.num_nodes > 1
 
 
 def of(chain: TierChain) -> Replicas | None:
@@ -449,13 +460,6 @@ def _attach(chain: TierChain, group: CoordinationGroup | None) -> Replicas | Non
     first = chain.first
     k = first.spec.replicas
     nodes = group.identity.num_nodes if group is not None else 1
-    node_local = group is not None and isinstance(first.storage, MemoryStorage) and nodes > 1
-    if node_local and len(chain.tiers) > 1:
-        raise ConfigError(
-            f"a memory tier ({first.storage.uri}) on {nodes} nodes cannot drain to later tiers yet: each node "
-            "holds only its own ranks' shards. Save to the shared durable root with a second Checkpointer (at "
-            "its own cadence), and protect the memory tier from node loss with Tier(..., replicas=1)"
-        )
     if k == 0:
         return None
     if nodes == 1:

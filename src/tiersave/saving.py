@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from . import partdrain
 from .catalog import CheckpointInfo
 from .collective import check_shards_visible, merge_parts, rank_part
 from .engine.increment import Increment
@@ -35,6 +36,7 @@ from .format.layout import MAX_STEP, align_up, is_valid_tag, shard_filename
 from .format.manifest import Manifest
 from .handle import SaveHandle
 from .lazy import Guard
+from .partdrain import PartDrains
 from .references import CHAIN_STAT, Incremental, chain_of, check_holders, rank_base, wants_full
 from .replicated import Selection, assign, check_declaration, normalize_keys, select
 from .state import FlatState, FlatTensor, flatten
@@ -117,6 +119,7 @@ class PendingSave:
     manifest: Manifest | None = None  # set once committed (on rank 0 of a collective save)
     info: CheckpointInfo | None = None  # the committed checkpoint, as rank 0 described it (other ranks)
     staging: Future[None] | None = None  # a lazy save's background staging, done when every byte is staged
+    drains: PartDrains | None = None  # a node-local first tier's drains to later tiers (decided in the vote)
 
 
 class Saver:
@@ -441,6 +444,8 @@ class Saver:
             result = {**info.to_json(), "stats": info.stats}  # so no other rank reads the global manifest back
             if self.node_ranks is not None:  # every node's leader commits it over its own node's shards
                 result["manifest"] = data.decode()
+                if p.drains is not None:  # and drains its part to the later tiers rank 0 chose
+                    result["drains"] = p.drains.decide(request.step)
             return result
 
         part = rank_part(self.rank, written.shards, written.tensors, p.tree, p.replicated, written.content_hash)
@@ -451,6 +456,8 @@ class Saver:
             p.info = CheckpointInfo.from_json(outcome.result)  # type: ignore[arg-type]
             if self.node_ranks is not None and self.node_leader:
                 self._commit_node(p, outcome.result)
+                if p.drains is not None:
+                    p.drains.told(request.step, outcome.result, committed=p.manifest is not None)
 
     def _commit_node(self, p: PendingSave, result: Any) -> None:
         """A node leader of a node-local tier, after rank 0 committed: commit the global manifest over this
@@ -533,6 +540,7 @@ def _io_bytes(storage: Storage) -> dict[str, int] | None:
 
 def complete_and_follow(saver: Saver, chain: TierChain, pending: PendingSave) -> None:
     """Commit thread: commit on the first tier, then (on rank 0) the chain's follow-up: drains, retention."""
+    pending.drains = partdrain.of(chain)
     if not saver.complete(pending):
         return
     if pending.manifest is not None and saver.rank == 0:

@@ -59,6 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.commit",
             "tiersave.restore",
             "tiersave.replication",
+            "tiersave.partdrain",
             "tiersave.replica_read",
             "tiersave.replica",
             "tiersave.export",
