@@ -131,6 +131,11 @@ class CommitStrategy(Protocol):
         """Remove what this attempt wrote. Never touches a committed checkpoint."""
         ...
 
+    def hand_over(self, prefix: str) -> None:
+        """This process is done with ``prefix``: another one (rank 0 of a node-by-node drain) commits or
+        aborts it, so this process stops counting it among its own live attempts."""
+        ...
+
 
 def _refuse_committed(storage: Storage, step: int) -> str:
     """``step-N`` if ``step`` is not committed in ``storage``; else :class:`AlreadyExistsError`."""
@@ -172,6 +177,9 @@ class RenameCommit:
 
     def abort(self, prefix: str) -> None:
         self.storage.delete_prefix(prefix)
+
+    def hand_over(self, prefix: str) -> None:
+        """Nothing to forget: a rename attempt's liveness is read from its name (its owner's pid and host)."""
 
 
 ATTEMPT_PREFIX = "attempt-"
@@ -290,6 +298,10 @@ class MarkerCommit:
         crashpoint("after_manifest")
         crashpoint("after_commit")
         return final
+
+    def hand_over(self, prefix: str) -> None:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(prefix)
 
     def _is_ours(self, key: str, manifest: bytes) -> bool:
         try:

@@ -232,6 +232,7 @@ class PartDrains:
                 crashpoint("part_drain_written")
                 if not self.coordinator:
                     self._put(tier, prefix, {"node": self.node, "step": step, "shards": written})
+                    tier.commit.hand_over(prefix)  # rank 0 commits or removes it
             finally:
                 self.chain.protection.release(0, step)
             info = self._commit(tier, step, manifest, prefix, written) if self.coordinator else None
@@ -302,7 +303,10 @@ class PartDrains:
     def _report_error(self, tier: TierRuntime, step: int, reason: str, prefix: str | None = None) -> None:
         try:
             where = prefix if prefix is not None else self._prefix(tier, step)
-            self._put(tier, where, {"node": self.node, "step": step, "error": reason})
+            try:
+                self._put(tier, where, {"node": self.node, "step": step, "error": reason})
+            finally:
+                tier.commit.hand_over(where)  # rank 0 removes it
         except Exception as exc:  # rank 0 then names this node at its timeout
             background_warning(f"node {self.node} could not tell rank 0 that its part of step {step} failed: {exc}")
 
