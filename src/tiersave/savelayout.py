@@ -109,15 +109,15 @@ class LayoutCache:
             UnsupportedStateError: the state holds something that cannot be saved.
             ConfigError: ``replicated`` does not fit the state (replicated.select).
         """
-        enabled = self.enabled and reuse_layout()
-        kept = self._kept
-        flat = reflatten(state, kept.layout) if kept is not None and enabled else None
+        enabled = self.enabled and reuse_layout()  # off: lay out afresh, and leave the cache as it is
+        kept = self._kept if enabled else None
+        flat = reflatten(state, kept.layout) if kept is not None else None
         reused = flat is not None
         if flat is None:
-            self._kept = kept = None
             flat, layout = flatten_layout(state)
-            if layout is not None and enabled:
-                kept = _Kept(layout)
+            kept = _Kept(layout) if layout is not None and enabled else None
+            if enabled:
+                self._kept = kept
         if kept is not None and (not reused or kept.keys != replicated or kept.plan_for is None):
             kept.plan = kept.plan_for = None
         selection: Selection | None
