@@ -20,8 +20,9 @@ Usage::
 
 ``--restore-only`` measures only restores, into a new tree and into a live state (in place); with
 ``--moe-mb`` it compares the MoE-like state with the same bytes in a few tensors, as the MoE restore target
-asks. ``--async-only`` measures only the ``save_async`` stall and its split (flatten / layout and plan / copies),
-for quick runs comparing two versions of the code in alternating processes. ``--profile save|async|restore``
+asks. ``--async-only`` measures only the ``save_async`` stall and its split (layout: flatten or the check against
+the previous save's layout, and the plan / copies / the rest), next to the same save with its layout made afresh
+(``TIERSAVE_REUSE_LAYOUT=0``), interleaved run by run. ``--profile save|async|restore``
 runs cProfile on one extra operation of the largest count and prints the functions with the most own time.
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import os
 import pstats
@@ -94,19 +96,14 @@ class Case:
             self.ck.save(self.step, self.state)
             self.record("save", time.perf_counter() - t0)
 
-        self.step += 1
-        t0 = time.perf_counter()
-        handle = self.ck.save_async(self.step, self.state)
-        blocked = time.perf_counter() - t0
-        self.record("async", blocked)
-        # Where the stall goes, from the save's own statistics: flattening the state (identity keys for
-        # tied tensors), staging (the copies), and the rest (layout, plan, addresses, opening the shards).
-        st = handle.stats
-        self.record("async.flatten", st.flatten_s)
-        self.record("async.stage", st.stage_s)
-        self.record("async.rest", max(0.0, blocked - st.flatten_s - st.stage_s))
-        handle.result(timeout=600)
+        self._async("async")
         if async_only:
+            # the same save with every layout made afresh (TIERSAVE_REUSE_LAYOUT=0), interleaved run by run
+            os.environ["TIERSAVE_REUSE_LAYOUT"] = "0"
+            try:
+                self._async("fresh")
+            finally:
+                del os.environ["TIERSAVE_REUSE_LAYOUT"]
             return
 
         self.record("restore", self._restore())
@@ -120,6 +117,24 @@ class Case:
         t0 = time.perf_counter()
         torch.load(self.torch_file, weights_only=True)
         self.record("torch.load", time.perf_counter() - t0)
+
+    def _async(self, method: str) -> None:
+        self.step += 1
+        # a collection owed to garbage of earlier operations (another case's manifests) would land in whichever
+        # save allocates next: start each from the same collector state, so each pays only its own
+        gc.collect()
+        t0 = time.perf_counter()
+        handle = self.ck.save_async(self.step, self.state)
+        blocked = time.perf_counter() - t0
+        self.record(method, blocked)
+        # Where the stall goes, from the save's own statistics: the layout (flattening the state, or checking
+        # it against the previous save's layout; the plan), staging (the copies), and the rest (addresses,
+        # opening the shards, the handle).
+        st = handle.stats
+        self.record(f"{method}.flatten", st.flatten_s)
+        self.record(f"{method}.stage", st.stage_s)
+        self.record(f"{method}.rest", max(0.0, blocked - st.flatten_s - st.stage_s))
+        handle.result(timeout=600)
 
     def _restore(self, into: bool = False) -> float:
         reader = tiersave.Checkpointer(self.ckpt_dir, event_log=False, handle_sigterm=False)
@@ -250,14 +265,18 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         methods = ["save", "torch.save", "async", "restore", "torch.load"]
         if args.async_only:
+            print(f"load average {os.getloadavg()[0]:.1f} at the end; {os.cpu_count()} cpus", file=sys.stderr)
             for case in cases:
                 n = len(case.state)
-                split = " / ".join(f"{case.median(f'async.{k}') / n * 1e6:.2f}" for k in ("flatten", "rest", "stage"))
-                print(
-                    f"{case.label}: save_async blocked {fmt(case.median('async')).strip()} = "
-                    f"{case.median('async') / n * 1e6:.2f} us per tensor (flatten / layout+plan / copies: {split}; "
-                    f"runs {', '.join(f'{x / n * 1e6:.2f}' for x in case.samples['async'])})"
-                )
+                for method, what in (("async", "layout reused"), ("fresh", "laid out afresh")):
+                    split = " / ".join(
+                        f"{case.median(f'{method}.{k}') / n * 1e6:.2f}" for k in ("flatten", "stage", "rest")
+                    )
+                    print(
+                        f"{case.label}, {what}: save_async blocked {fmt(case.median(method)).strip()} = "
+                        f"{case.median(method) / n * 1e6:.2f} us per tensor (layout / copies / rest: {split}; "
+                        f"runs {', '.join(f'{x / n * 1e6:.2f}' for x in case.samples[method])})"
+                    )
             for case in cases:
                 case.close()
             return 0

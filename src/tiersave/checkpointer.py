@@ -391,7 +391,7 @@ class Checkpointer:
                 raise SaveError(f"the save of step {previous.step} is still being written (on_busy='raise')")
             previous.wait()
             _raise_unobserved(self._last)
-        self._saver.check_replicated(request, state, self._committer)  # before anything is staged or written
+        self._saver.check_replicated(request, state, self._committer, blocking)  # before anything is staged
         handle = SaveHandle(request.step)
         with self._lock:
             self._last = handle

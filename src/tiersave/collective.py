@@ -32,7 +32,7 @@ from .commit import tmp_token
 from .errors import ConfigError, CorruptCheckpointError, ObjectNotFoundError, StateMismatchError
 from .format.manifest import Manifest, ShardInfo, TensorEntry
 from .format.tree import T_NDARRAY, T_TENSOR, escape_key
-from .replicated import REPLICATED_PREFIX, Selection
+from .replicated import REPLICATED_PREFIX, Selection, check_agreement
 from .storage.base import Storage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,10 +108,13 @@ def rank_part(
     tree: Any,
     replicated: Selection | None = None,
     content_hash: str = "sha256",
+    prints: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """What a rank votes with: its shards, its tensor entries (shard indices local to its shards) and its tree;
     with ``replicated``, the replicated tensors it wrote apart from its own, and the digest of the replicated
-    layout that rank 0 compares across ranks; with content hashes (an incremental save), their function."""
+    layout that rank 0 compares across ranks (and, at an async save that checks the declaration, the
+    fingerprints of the replicated state, replicated.fingerprints); with content hashes (an incremental save),
+    their function."""
     shared = replicated.names if replicated is not None else frozenset()
     part: dict[str, Any] = {
         "rank": rank,
@@ -128,6 +131,8 @@ def rank_part(
             "count": len(replicated.tensors),
             "tensors": {name: _entry(t) for name, t in tensors.items() if name in shared},
         }
+        if prints is not None:
+            part["replicated"]["prints"] = dict(prints)
     return part
 
 
@@ -258,6 +263,9 @@ def _replicated_layout(step: int, parts: Sequence[Any]) -> dict[str, Any] | None
         )
     if first is not None and not (isinstance(first.get("keys"), list) and isinstance(first.get("count"), int)):
         raise ConfigError(f"step {step}: rank 0 sent a malformed replicated layout")
+    prints = [layout.get("prints") for layout in layouts if layout is not None]
+    if first is not None and len(prints) == len(parts) and all(p is not None for p in prints):
+        check_agreement(prints, step)  # the first async save declaring these keys: the fingerprints agree
     return first
 
 

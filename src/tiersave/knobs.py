@@ -18,6 +18,7 @@ _IO_THREADS = "TIERSAVE_IO_THREADS"
 _CHUNK_BYTES = "TIERSAVE_CHUNK_BYTES"
 _LEFTOVER_GRACE_S = "TIERSAVE_LEFTOVER_GRACE_S"
 _CONTENT_HASH = "TIERSAVE_CONTENT_HASH"
+_REUSE_LAYOUT = "TIERSAVE_REUSE_LAYOUT"
 CONTENT_HASH_CHOICES = ("auto", "blake3", "sha256")
 
 
@@ -53,6 +54,12 @@ def leftover_grace_s() -> int:
     this host cannot ask about) counts as abandoned and is removed by the retention after a commit
     (default one day: far longer than any save takes, short enough that space comes back)."""
     return int_env(_LEFTOVER_GRACE_S, 86_400, 1, 10 * 365 * 86_400)
+
+
+def reuse_layout() -> bool:
+    """Whether a save of a state with the previous save's structure reuses its layout (``TIERSAVE_REUSE_LAYOUT``,
+    1 by default; 0 lays every save out afresh, as a way to rule the reuse out when chasing a problem)."""
+    return bool(int_env(_REUSE_LAYOUT, 1, 0, 1))
 
 
 def content_hash() -> str:

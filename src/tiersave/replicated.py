@@ -11,8 +11,11 @@ tiersave cannot see that a plain tensor is replicated, so the declaration is che
 at the first save with a given set of keys the ranks exchange, per key, a digest of every tensor's name,
 dtype, shape, the sum of its elements' bits and a CRC-32C of bytes sampled across it (:func:`fingerprints`);
 a key whose digest differs fails the save on every rank with a :class:`ConfigError` naming the key and the
-ranks, before anything is written. At every save each rank also votes with a digest of its replicated
-tensors' layout, and rank 0 refuses to commit when they differ (collective.py).
+ranks, before anything is written. A ``save_async`` does not wait for that exchange: each rank fingerprints its
+state before returning and votes with the fingerprints, and rank 0 compares them (:func:`check_agreement`)
+before committing, so a disagreement fails that save on every rank through its handle, nothing committed.
+At every save each rank also votes with a digest of its replicated tensors' layout, and rank 0 refuses to
+commit when they differ (collective.py).
 
 Scope: selecting the replicated tensors of a flattened state, assigning them to ranks, fingerprinting them
 and checking the fingerprints agree. Anti-scope: the manifest's layout of a collective checkpoint

@@ -26,20 +26,22 @@ import torch
 from . import partdrain
 from .catalog import CheckpointInfo
 from .collective import check_shards_visible, merge_parts, rank_part
+from .commit import CommitStrategy
 from .engine.increment import Increment
-from .engine.pipeline import GROUP_BYTES, StagedWrite, Written, plan_save
+from .engine.pipeline import GROUP_BYTES, StagedWrite, Written
 from .engine.stage import HostCopier, StagingArena, needs_pinned
 from .errors import ConfigError, DistributedCheckpointError, FormatError, SaveError
 from .events import background_warning
 from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
-from .format.layout import MAX_STEP, align_up, is_valid_tag, shard_filename
+from .format.layout import MAX_STEP, align_up, is_valid_tag
 from .format.manifest import Manifest
 from .handle import SaveHandle
 from .lazy import Guard
 from .partdrain import PartDrains
 from .references import CHAIN_STAT, Incremental, chain_of, check_holders, rank_base, wants_full
-from .replicated import Selection, assign, check_declaration, normalize_keys, select
-from .state import FlatState, FlatTensor, flatten
+from .replicated import Selection, check_declaration, normalize_keys
+from .savelayout import LayoutCache, first_prints
+from .state import flatten
 from .storage.base import Storage
 from .storage.memory import MemoryStorage
 from .tiers import TierChain, TierRuntime
@@ -120,6 +122,7 @@ class PendingSave:
     info: CheckpointInfo | None = None  # the committed checkpoint, as rank 0 described it (other ranks)
     staging: Future[None] | None = None  # a lazy save's background staging, done when every byte is staged
     drains: PartDrains | None = None  # a node-local first tier's drains to later tiers (decided in the vote)
+    prints: dict[str, str] | None = None  # the replicated fingerprints this rank votes with (first async save)
 
 
 class Saver:
@@ -181,6 +184,7 @@ class Saver:
         self.last_step: int | None = None  # the last step this Saver committed: the next incremental base
         self.force_full = False  # the next incremental save writes everything (its base lost a referenced step)
         self.guard = Guard()  # what lazy saves may stage after save_async returns (lazy.py)
+        self.layouts = LayoutCache(self.rank, group.world_size if group is not None else 1)  # savelayout.py
 
     def close(self, *, release_memory: bool) -> None:
         if release_memory:  # else a lazy save may still be staging: its hooks stay until the process ends
@@ -194,9 +198,8 @@ class Saver:
         flat = flatten(state)
         padded = sum(align_up(t.nbytes) for t in flat.tensors)
         chunk = self.chunk_for(padded)
-        self.arena.reserve(
-            padded, pinned=needs_pinned([t.source for t in flat.tensors]), min_bytes=min(2 * chunk, padded)
-        )
+        pinned = needs_pinned([t.source for t in flat.tensors])
+        self.arena.reserve(padded, pinned=pinned, min_bytes=min(2 * chunk, padded))
 
     def chunk_for(self, padded_bytes: int) -> int:
         """The chunk size for a save of ``padded_bytes`` (tensors padded to 4 KiB): the configured one,
@@ -209,11 +212,11 @@ class Saver:
 
     # -- caller's thread --------------------------------------------------------------------------
 
-    def check_replicated(self, request: SaveRequest, state: Any, serial: Executor) -> None:
-        """The first collective save declaring ``request.replicated`` checks, on the ``serial`` executor (the
-        commit thread, so that this exchange keeps its place among the votes of earlier saves), that every
-        rank holds that state identically; later saves with the same keys skip it. Raises ConfigError (on
-        every rank) when it does not, before anything is written."""
+    def check_replicated(self, request: SaveRequest, state: Any, serial: Executor, blocking: bool = True) -> None:
+        """The first collective save declaring ``request.replicated`` checks that every rank holds that state
+        identically. A blocking one here, on the ``serial`` executor (the commit thread: this exchange keeps its
+        place among earlier saves' votes), raising ConfigError on every rank before anything is written; an
+        async one in its vote (:meth:`stage` fingerprints, rank 0 compares: savelayout.first_prints)."""
         keys = request.replicated
         if self.group is None or not keys or keys in self.checked_replicated:
             return
@@ -222,6 +225,8 @@ class Saver:
                 "replicated= is not supported with a memory first tier on several nodes: each node's memory must "
                 "hold every tensor its ranks restore; save without replicated= (peer replicas cover node loss)"
             )
+        if not blocking:
+            return
         serial.submit(check_declaration, self.group, state, keys, request.step).result()
         self.checked_replicated.add(keys)
 
@@ -244,19 +249,23 @@ class Saver:
         job: StagedWrite | None = None
         base: Manifest | None = None
         staging: Future[None] | None = None
+        prints: dict[str, str] | None = None
         if lazy:
             self.guard.check(blocking=blocking, collective=self.group is not None)
         self.staging_step = request.step
         try:
-            flat = flatten(state)
-            stats.flatten_s = time.perf_counter() - started
-            selection, tensors = _select(state, flat, request.replicated, self.group, self.rank)
-            plan = plan_save(
-                tensors,
-                chunk_bytes=self.chunk_for(sum(align_up(t.nbytes) for t in tensors)),
-                shard_file=lambda i: shard_filename(self.rank, i),
+            lay = self.layouts.layout(
+                state,
+                request.replicated,
+                collective=self.group is not None,
+                chunk_for=self.chunk_for,
                 max_shard_bytes=self._shard_cap(),
             )
+            stats.flatten_s = time.perf_counter() - started  # with the layout: the time before any copy
+            stats.extra["layout_reused"] = lay.reused
+            flat, sel, tensors, plan = lay.flat, lay.selection, lay.tensors, lay.plan
+            if self.group is not None and not blocking:
+                prints = first_prints(state, flat, request.replicated, self.checked_replicated)
             prefix = self.commit.begin(request.step, token)
             io_before = _io_bytes(self.storage)
             increment = None
@@ -286,7 +295,7 @@ class Saver:
             if base is not None:
                 self.catalog.pins.unpin(base.step)
             if prefix is not None and self.group is None:  # a shared prefix: rank 0 removes it after the vote
-                self._abort_prefix(prefix)
+                _abort_prefix(self.commit, prefix)
             self.abandoned_prefix = prefix
             handle._set_error(exc)
             handle._observed = True  # raised right here, to the caller
@@ -298,14 +307,14 @@ class Saver:
             handle._set_staged()  # CPU copies are done; device copies are confirmed by the commit thread
         stats.stage_s = job.stage_s
         stats.stage_wait_s = job.ring.waited_s
-        stats.tensor_bytes = sum(t.nbytes for t in tensors)  # this rank's: replicated tensors count once
+        stats.tensor_bytes = sum(plan.nbytes)  # this rank's: replicated tensors count once
         stats.stored_bytes = plan.total_bytes
         stats.num_tensors = len(tensors)
         stats.blocked_s = time.perf_counter() - started
         stats.extra["io_before"] = io_before
-        base_step = base.step if base is not None else None
+        b = base.step if base is not None else None
         return PendingSave(
-            handle, request, job, prefix, flat.tree, started, started_wall, selection, base_step, staging=staging
+            handle, request, job, prefix, flat.tree, started, started_wall, sel, b, staging=staging, prints=prints
         )
 
     def _shard_cap(self) -> int | None:
@@ -350,7 +359,7 @@ class Saver:
             written = p.job.finish(lambda name: self.commit.shard_file(p.prefix, name), rank=self.rank)
         except BaseException as exc:
             p.job.abort()
-            return self._failed(p, self._vote_no(p.request.step, exc) if self.group is not None else exc)
+            return self._failed(p, _vote_no(self.group, p.request.step, exc) if self.group is not None else exc)
         stats.write_s = time.perf_counter() - p.started - stats.flatten_s
         if p.job.increment is not None:
             stats.extra["referenced_bytes"] = p.job.increment.referenced_bytes
@@ -381,7 +390,7 @@ class Saver:
         if self.group is not None and self.incremental is not None:
             self.force_full = True  # the base may have lost a referenced step: every rank that saw this starts over
         if self.rank == 0 or (self.node_ranks is not None and self.node_leader):
-            self._abort_prefix(p.prefix)
+            _abort_prefix(self.commit, p.prefix)
         failed = {"step": p.request.step, "outcome": "failed", "time": p.started_wall, "error": str(exc)}
         self.log_event({**failed, **p.handle.stats.to_json()})
         p.handle._set_error(exc)
@@ -448,8 +457,12 @@ class Saver:
                     result["drains"] = p.drains.decide(request.step)
             return result
 
-        part = rank_part(self.rank, written.shards, written.tensors, p.tree, p.replicated, written.content_hash)
+        part = rank_part(
+            self.rank, written.shards, written.tensors, p.tree, p.replicated, written.content_hash, p.prints
+        )
         outcome = self.group.vote(request.step, part, commit=commit if self.rank == 0 else None)
+        if p.prints is not None:  # every rank's fingerprints agreed (rank 0 committed only then)
+            self.checked_replicated.add(request.replicated)
         if self.incremental is not None:
             self.last_step = request.step
         if self.rank != 0:
@@ -472,7 +485,7 @@ class Saver:
             check_shards_visible(self.storage, p.prefix, manifest, self.node_ranks)
             self.commit.commit(p.prefix, step, data)
         except Exception as exc:
-            self._abort_prefix(p.prefix)
+            _abort_prefix(self.commit, p.prefix)
             background_warning(
                 f"step {step} is committed, but this node's copy in {self.storage.uri} could not be: {exc}; "
                 "its ranks restore it from a peer's replica or another tier"
@@ -484,10 +497,11 @@ class Saver:
         """Commit thread, after this rank failed to stage ``step`` (its caller already got the error): vote
         no, so that every other rank fails now rather than at its timeout; then, on rank 0, remove the
         attempt's ``prefix`` (every rank has voted: none still writes there)."""
-        self._vote_no(step, exc)
+        if self.group is not None:
+            _vote_no(self.group, step, exc)
         self._settle(step)
         if prefix is not None and self.rank == 0:
-            self._abort_prefix(prefix)
+            _abort_prefix(self.commit, prefix)
 
     def _settle(self, step: int) -> None:
         """After a failed collective save: one more exchange, entered by each rank once its own cleanup is
@@ -500,36 +514,23 @@ class Saver:
         except BaseException as exc:
             log.warning("step %d: the ranks could not settle after a failed save: %s", step, exc)
 
-    def _vote_no(self, step: int, exc: BaseException) -> BaseException:
-        """Vote no. Returns the error every rank raises (naming this rank), or ``exc`` if the group is broken."""
-        assert self.group is not None
-        try:
-            self.group.vote(step, error=exc)
-        except DistributedCheckpointError as failure:
-            return failure
-        except BaseException:  # the group itself is broken: report the rank's own error
-            return exc
-        return exc  # pragma: no cover (a no vote always raises)
 
-    def _abort_prefix(self, prefix: str) -> None:
-        try:
-            self.commit.abort(prefix)
-        except Exception:  # keep the original error; prune removes what is left
-            log.warning("could not remove %s after a failed save", prefix, exc_info=True)
+def _vote_no(group: CoordinationGroup, step: int, exc: BaseException) -> BaseException:
+    """Vote no. Returns the error every rank raises (naming this rank), or ``exc`` if the group is broken."""
+    try:
+        group.vote(step, error=exc)
+    except DistributedCheckpointError as failure:
+        return failure
+    except BaseException:  # the group itself is broken: report the rank's own error
+        return exc
+    return exc  # pragma: no cover (a no vote always raises)
 
 
-def _select(
-    state: Any, flat: FlatState, keys: tuple[str, ...], group: CoordinationGroup | None, rank: int
-) -> tuple[Selection | None, list[FlatTensor]]:
-    """The replicated part of a collective save, and the tensors this rank writes: its own and the
-    replicated ones assigned to it."""
-    if not keys:
-        return None, flat.tensors
-    selection = select(state, flat, keys)  # also in a single process: a bad declaration fails alike
-    if group is None:
-        return None, flat.tensors
-    owner = assign(selection.tensors, group.world_size)
-    return selection, [t for t in flat.tensors if owner.get(t.name, rank) == rank]
+def _abort_prefix(commit: CommitStrategy, prefix: str) -> None:
+    try:
+        commit.abort(prefix)
+    except Exception:  # keep the original error; prune removes what is left
+        log.warning("could not remove %s after a failed save", prefix, exc_info=True)
 
 
 def _io_bytes(storage: Storage) -> dict[str, int] | None:

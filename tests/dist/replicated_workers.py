@@ -146,9 +146,105 @@ def restore_io_paths(rank: int, world: int, rec: dict[str, Any]) -> None:
         rec["restored"] = rec["restored"] and torch.equal(live["w"], state(1)["w"])
 
 
+def reuse_state(rank: int, step: int) -> dict[str, Any]:
+    """A replicated model (a module and a dict of tensors, identical on every rank) and per-rank state, whose
+    structure :func:`replicated_reuse` changes between saves."""
+    torch.manual_seed(99)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    extra = {f"k{i}": torch.randn(64 * (i + 1)) for i in range(5)}
+    return {"model": model, "extra": extra, "w": torch.full((512,), float(rank)), "data": {"position": step}}
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """Copies of every tensor of ``state`` by flattened name, and its data position."""
+    from tiersave.state import flatten
+
+    out: dict[str, Any] = {t.name: torch.as_tensor(t.source).clone() for t in flatten(state).tensors}
+    out["$position"] = state["data"]["position"]
+    return out
+
+
+def replicated_reuse(rank: int, world: int, rec: dict[str, Any]) -> None:
+    """Async replicated saves whose structure changes between some of them (a key added, a tensor reshaped, a
+    per-rank tensor cast) and not between others (new values, a new data position): each save reuses the
+    previous layout exactly when nothing changed, and every step restores bit-exact on every rank."""
+    state = reuse_state(rank, 0)
+    changes = [
+        lambda s: None,  # the first save: nothing to reuse
+        lambda s: None,  # same structure, new values
+        lambda s: s["extra"].__setitem__("k5", torch.randn(32)),  # a replicated key added
+        lambda s: s["extra"].__setitem__("k1", s["extra"]["k1"].reshape(8, 16)),  # a view of other shape
+        lambda s: s.__setitem__("w", s["w"].double()),  # a per-rank dtype
+        lambda s: s["extra"].pop("k0"),  # a replicated key removed
+        lambda s: None,  # same structure again
+    ]
+    expected, reused = {}, []
+    with tiersave.Checkpointer(ROOT, coordination_timeout_s=TIMEOUT_S, keep_last=20) as ckpt:
+        for step, change in enumerate(changes, start=1):
+            change(state)
+            with torch.no_grad():  # new bytes in every tensor (the same on every rank for replicated ones)
+                for p in state["model"].parameters():
+                    p.add_(0.5)
+                for t in state["extra"].values():
+                    t.add_(0.25)
+                state["w"].add_(1.0)
+            state["data"]["position"] = step * 10 + rank
+            handle = ckpt.save_async(step, state, replicated=["model", "extra"])
+            expected[step] = snapshot(state)
+            handle.result(60)
+            reused.append(bool(handle.stats.extra.get("layout_reused")))
+        rec["reused"] = reused
+        rec["exact"] = []
+        for step, want in expected.items():
+            got = snapshot_restored(ckpt.restore(step))
+            rec["exact"].append(got.keys() == want.keys() and all(_equal(got[k], want[k]) for k in want))
+
+
+def snapshot_restored(tree: dict[str, Any]) -> dict[str, Any]:
+    out = snapshot({**tree, "data": tree["data"]})
+    return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return bool(a == b)
+
+
+def replicated_async_mismatch(rank: int, world: int, rec: dict[str, Any]) -> None:
+    """Rank 1's model differs from the others' and the first save declaring it replicated is a save_async:
+    save_async returns without waiting for the other ranks, and the save fails through its handle on every
+    rank, naming the key and the rank; nothing is committed; a later save whose declaration holds commits."""
+    with tiersave.Checkpointer(ROOT, coordination_timeout_s=TIMEOUT_S) as ckpt:
+        state = ddp_state(rank, 1)
+        if rank == 1:
+            with torch.no_grad():
+                state["model"][1].weight[7, 3] += 1.0
+            time.sleep(1.0)  # the other ranks' save_async must not wait for this rank
+        start = time.monotonic()
+        handle = ckpt.save_async(1, state, replicated=["model", "optim"])
+        rec["blocked_s"] = time.monotonic() - start
+        try:
+            handle.result(60)
+            rec["save1"] = "ok"
+        except tiersave.TiersaveError as exc:
+            rec["save1"] = error_record(exc, start)
+        rec["latest_after_failure"] = ckpt.latest().step if ckpt.latest() is not None else None
+        ckpt.save_async(2, state, replicated=["optim"]).result(60)  # optim does agree
+        rec["latest"] = ckpt.latest().step
+
+
 SCENARIOS = {
     f.__name__: f
-    for f in (replicated_save_restore, replicated_mismatch, replicated_missing_key, save_loop_keep1, restore_io_paths)
+    for f in (
+        replicated_save_restore,
+        replicated_mismatch,
+        replicated_missing_key,
+        save_loop_keep1,
+        restore_io_paths,
+        replicated_reuse,
+        replicated_async_mismatch,
+    )
 }
 
 

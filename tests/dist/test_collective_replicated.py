@@ -111,6 +111,36 @@ def test_a_replicated_declaration_that_does_not_hold_fails_every_rank_naming_the
     assert cli_main(["verify", str(root), "--all"]) == 0
 
 
+def test_an_async_first_save_checks_the_declaration_in_the_background_and_fails_every_rank(launch, tmp_path):
+    root = tmp_path / "ckpt"
+    job = launch("replicated_async_mismatch", 2, env=env(root), script=SCRIPT)
+    for r in range(2):
+        rec = job.rank(r)
+        assert "crash" not in rec, rec
+        failure = rec["save1"]
+        assert failure["type"] == "DistributedCheckpointError", failure
+        assert "'model' differs on rank(s) [1] from rank 0" in failure["message"], failure
+        assert "'optim'" not in failure["message"]
+        assert failure["elapsed"] < TIMEOUT  # the vote's exchange, not a timeout
+        assert rec["latest_after_failure"] is None  # nothing was committed
+        assert rec["latest"] == 2
+    # rank 0's save_async did not wait for rank 1, which started a second later
+    assert job.rank(0)["blocked_s"] < 0.9, job.rank(0)
+    assert not [p for p in root.iterdir() if ".tmp-" in p.name]
+    assert cli_main(["verify", str(root), "--all"]) == 0
+
+
+def test_async_replicated_saves_reuse_the_layout_only_while_the_structure_holds_and_restore_exactly(launch, tmp_path):
+    root = tmp_path / "ckpt"
+    job = launch("replicated_reuse", 2, env=env(root), script=SCRIPT)
+    for r in range(2):
+        rec = job.rank(r)
+        assert "crash" not in rec, rec
+        assert rec["reused"] == [False, True, False, False, False, False, True], rec
+        assert rec["exact"] == [True] * 7, rec
+    assert cli_main(["verify", str(root), "--all"]) == 0
+
+
 def test_a_rank_whose_state_lacks_a_declared_key_is_named_on_every_rank(launch, tmp_path):
     root = tmp_path / "ckpt"
     job = launch("replicated_missing_key", 2, env=env(root), script=SCRIPT)

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("format", ("tiersave.format",)),
-    ("state", ("tiersave.state", "tiersave.rng", "tiersave.partial")),
+    ("state", ("tiersave.state", "tiersave.reflatten", "tiersave.rng", "tiersave.partial")),
     ("storage", ("tiersave.storage",)),
     ("engine", ("tiersave.engine",)),
     ("planner", ("tiersave.planner",)),
@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "tiersave.checkpointer",
             "tiersave.saving",
+            "tiersave.savelayout",
             "tiersave.collective",
             "tiersave.replicated",
             "tiersave.tiers",

@@ -1,0 +1,179 @@
+"""Reusing the previous save's layout (savelayout.py, reflatten.py): a save of a state with the previous save's
+structure replays its flatten and reuses its plan; every change of structure is caught and laid out afresh.
+
+What must hold: a replay gives exactly what a full flatten gives (names, ties, dtypes, shapes, addresses, the
+tree); it refuses every change that flatten would see differently (a shape, a dtype, a tensor replaced by one
+over other memory, a key added, removed or renamed, a tie made or broken, a tensor that became a plain value
+or the reverse, a transposed view, an array); plain values are read afresh at every save; the cache keeps no
+tensor alive; and saves through the Checkpointer restore bit-exact whatever changed between them.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tiersave import Checkpointer
+from tiersave.knobs import override_env
+from tiersave.reflatten import flatten_layout, reflatten
+from tiersave.savelayout import LayoutCache
+from tiersave.state import FlatState, flatten
+
+
+def base_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    shared = torch.randn(6)
+    return {
+        "model": model,
+        "optim": optim,
+        "experts": {f"e{i}": torch.randn(16) for i in range(40)},
+        "tied": {"a": shared, "b": shared, "view": shared[2:5]},
+        "listed": [torch.arange(5), {"x": torch.ones(2, 3)}],
+        "step": 7,
+        "rng": {"seed": 3, "name": "x"},
+    }
+
+
+def same_flat(a: FlatState, b: FlatState) -> None:
+    assert a.tree == b.tree
+    assert [(t.name, t.dtype, tuple(t.shape), t.nbytes, t.address) for t in a.tensors] == [
+        (t.name, t.dtype, tuple(t.shape), t.nbytes, t.address) for t in b.tensors
+    ]
+    assert all(x.source is y.source or x.source.data_ptr() == y.source.data_ptr() for x, y in zip(a.tensors, b.tensors))
+
+
+def test_a_replay_gives_what_a_full_flatten_gives_and_reads_plain_values_afresh():
+    state = base_state()
+    _, layout = flatten_layout(state)
+    assert layout is not None
+    state["step"] = 8  # plain values change between saves
+    state["rng"]["name"] = "y"
+    replayed = reflatten(state, layout)
+    assert replayed is not None
+    same_flat(replayed, flatten(state))
+    assert replayed.tree["step"] == 8 and replayed.tree["rng"]["name"] == "y"
+    assert {t.name for t in replayed.tensors} >= {"tied.a", "experts.e0", "model.0.weight"}
+
+
+CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "shape": lambda s: s["experts"].__setitem__("e3", torch.randn(17)),
+    "dtype": lambda s: s["experts"].__setitem__("e3", s["experts"]["e3"].double()),
+    "replaced tensor (other memory, same shape)": lambda s: s["experts"].__setitem__("e3", torch.randn(16)),
+    "in-place resize": lambda s: s["experts"]["e5"].resize_(4, 4),
+    "in-place set_": lambda s: s["experts"]["e5"].set_(torch.randn(16)),
+    "parameter .data replaced": lambda s: setattr(s["model"][0], "weight", torch.nn.Parameter(torch.randn(8, 4))),
+    "new key": lambda s: s["experts"].__setitem__("e40", torch.randn(16)),
+    "removed key": lambda s: s["experts"].pop("e39"),
+    "renamed key": lambda s: s["experts"].__setitem__("z", s["experts"].pop("e0")),
+    "tie broken": lambda s: s["tied"].__setitem__("b", s["tied"]["b"].clone()),
+    "tie made": lambda s: s["experts"].__setitem__("e2", s["experts"]["e1"]),
+    "tensor became a number": lambda s: s["experts"].__setitem__("e4", 4.0),
+    "number became a tensor": lambda s: s.__setitem__("step", torch.tensor(8)),
+    "transposed view": lambda s: s["listed"][1].__setitem__("x", s["listed"][1]["x"].t()),
+    "array added": lambda s: s.__setitem__("arr", np.zeros(3)),
+    "nested container added": lambda s: s["rng"].__setitem__("more", {"t": torch.ones(1)}),
+    "list grew": lambda s: s["listed"].append(torch.zeros(1)),
+    "parameter .data assigned": lambda s: setattr(s["model"][1].weight, "data", torch.randn(2, 8)),
+    "neg view": lambda s: s["experts"].__setitem__("e6", s["experts"]["e6"]._neg_view()),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_every_change_of_structure_is_refused_and_a_full_flatten_follows(change):
+    state = base_state()
+    _, layout = flatten_layout(state)
+    assert layout is not None
+    CHANGES[change](state)
+    assert reflatten(state, layout) is None, f"{change}: the replay accepted a changed structure"
+    _, again = flatten_layout(state)  # and the changed state has a layout of its own, which replays
+    if again is not None:
+        replayed = reflatten(state, again)
+        assert replayed is not None
+        same_flat(replayed, flatten(state))
+
+
+def test_a_state_with_arrays_or_empty_tensors_has_no_layout():
+    assert flatten_layout({"a": np.zeros(3)})[1] is None
+    assert flatten_layout({"a": torch.empty(0)})[1] is None
+    assert flatten_layout({"a": torch.ones(2)})[1] is not None
+
+
+def test_the_cache_keeps_no_tensor_alive():
+    cache = LayoutCache(0, 1)
+    big = torch.randn(1000)
+    ref = weakref.ref(big)
+    for _ in range(2):  # the second call reuses the first's layout and plan
+        lay = cache.layout(
+            {"w": big, "step": 1}, (), collective=False, chunk_for=lambda n: 1 << 20, max_shard_bytes=None
+        )
+    assert lay.reused and lay.tensors[0].source is big
+    del big, lay
+    gc.collect()
+    assert ref() is None
+
+
+def _stats_reused(handle: Any) -> bool:
+    return bool(handle.stats.extra.get("layout_reused"))
+
+
+def test_saves_restore_bit_exact_across_every_change_and_reuse_only_when_nothing_changed(tmp_path: Path):
+    state = base_state()
+    saved: dict[int, dict[str, Any]] = {}
+    with Checkpointer(tmp_path, keep_last=100, event_log=False, handle_sigterm=False) as ckpt:
+        step = 0
+
+        def save(expect_reuse: bool) -> None:
+            nonlocal step
+            step += 1
+            state["counter"] = step
+            handle = ckpt.save_async(step, state)
+            saved[step] = flatten_copy(state)  # what the state held when save_async returned
+            handle.result(60)
+            assert _stats_reused(handle) is expect_reuse, (step, expect_reuse)
+
+        save(False)
+        for change in sorted(CHANGES):
+            if change == "array added":
+                continue  # a state with arrays is never replayed: covered above
+            with torch.no_grad():  # new values in every tensor: a reuse must still copy this save's bytes
+                for t in flatten(state).tensors:
+                    if t.source.dtype.is_floating_point:
+                        t.source.add_(1.0)
+            save(True)
+            CHANGES[change](state)
+            save(False)
+        for s, expected in saved.items():
+            restored = ckpt.restore(s)
+            got = flatten_copy(restored)
+            assert got.keys() == expected.keys(), s
+            for name, value in expected.items():
+                assert torch.equal(got[name], value) if isinstance(value, torch.Tensor) else got[name] == value
+
+
+def flatten_copy(state: Any) -> dict[str, Any]:
+    """Each tensor of ``state`` by its flattened name (copied), and the save counter (a plain value)."""
+    flat = flatten(state)
+    out: dict[str, Any] = {t.name: torch.as_tensor(t.source).clone() for t in flat.tensors}
+    out["$counter"] = state["counter"]
+    return out
+
+
+def test_reuse_can_be_turned_off(tmp_path):
+    state = {"w": torch.ones(4), "step": 0}
+    with override_env("TIERSAVE_REUSE_LAYOUT", "0"), Checkpointer(tmp_path, event_log=False) as ckpt:
+        ckpt.save(1, state)
+        assert not _stats_reused(ckpt.save(2, state))
+    with Checkpointer(tmp_path / "on", event_log=False) as ckpt:
+        ckpt.save(1, state)
+        assert _stats_reused(ckpt.save(2, state))
