@@ -56,14 +56,3 @@ def test_a_bad_grace_is_a_config_error_naming_the_variable(value):
     ):
         leftover_grace_s()
 
-
-def test_an_attempt_handed_over_to_another_process_is_no_longer_counted_live_here(s3_storage):
-    """A node's part of a node-by-node drain: rank 0 commits or removes the attempt, so the node forgets it
-    (otherwise every drain would leave one record in this process for good)."""
-    commit = MarkerCommit(s3_storage)
-    prefix = commit.begin(9)
-    s3_storage.put(f"{prefix}/shard-00000-00000.bin", b"\0" * 4096)
-    assert _kinds(s3_storage) == {prefix: "live"}
-    commit.hand_over(prefix)
-    assert _kinds(s3_storage) == {prefix: "dead"}
-    commit.abort(prefix)
