@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from ..errors import FormatError
@@ -232,9 +233,11 @@ class _ValidatingHooks:
         return None
 
 
-def validate_tree(tree: Any, tensor_names: set[str]) -> None:
-    """Check the tree's grammar, that it references only known tensors, and that it references all of them."""
+def validate_tree(tree: Any, tensor_names: set[str], referenced: Iterable[str] = ()) -> None:
+    """Check the tree's grammar, that it references only known tensors, and that it references all of them.
+    ``referenced``: known tensors referenced by parts of the tree the caller checked (the runs of format 4.x)."""
     hooks = _ValidatingHooks(tensor_names)
+    hooks.referenced.update(referenced)
     TreeDecoder(hooks).decode(tree)
     orphans = tensor_names - hooks.referenced
     if orphans:
