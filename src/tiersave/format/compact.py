@@ -283,8 +283,8 @@ class TreeRuns:
     def __init__(self, tree: Any, names: list[str], fail: Fail) -> None:
         self.root = [tree]
         self.names = names
-        self.sites: list[tuple[Any, Any, str, int, int]] = []
-        used = bytearray(len(names))
+        self.sites: list[tuple[Any, Any]] = []
+        raws: list[Any] = []
         level: list[tuple[Any, Any]] = [(self.root, 0)]
         while level:
             nxt: list[tuple[Any, Any]] = []
@@ -292,30 +292,69 @@ class TreeRuns:
                 node = parent[key]
                 if type(node) is dict:
                     if len(node) == 1 and T_RUN in node:
-                        self.sites.append((parent, key, *_check_run(node[T_RUN], names, used, fail)))
+                        self.sites.append((parent, key))
+                        raws.append(node[T_RUN])
                         continue
                     nxt.extend(zip(repeat(node), node))
                 elif type(node) is list:
                     nxt.extend(zip(repeat(node), range(len(node))))
             level = list(compress(nxt, (type(p[k]) in (dict, list) for p, k in nxt)))
+        self.prefixes, self.firsts, self.counts = _check_runs(raws, names, fail)
 
-    def _put(self, most: int | None) -> Any:
-        for parent, key, prefix, first, count in self.sites:
-            cut = len(prefix)
-            parent[key] = {s[cut:]: {"$tensor": s} for s in self.names[first : first + min(count, most or count)]}
+    def _put(self, take: int | None) -> Any:
+        """Each run as the dict of its first ``take`` tensors (all: None); runs of at most two tensors are put
+        by the first call only, their stand-in being the whole run."""
+        names = self.names
+        for (parent, key), prefix, first, count in zip(
+            self.sites, self.prefixes, self.firsts, self.counts, strict=True
+        ):
+            if take is not None or count > 2:
+                cut = len(prefix)
+                parent[key] = {s[cut:]: {"$tensor": s} for s in names[first : first + min(count, take or count)]}
         return self.root[0]
 
     def standins(self) -> Any:
-        """The tree with each run as the dict of its first two tensors."""
+        """The tree with each run as the dict of its first two tensors (at most)."""
         return self._put(2)
 
     def referenced(self) -> list[str]:
         """The names the runs reference beyond their stand-ins."""
-        return list(chain.from_iterable(self.names[first + 2 : first + count] for *_, first, count in self.sites))
+        spans = map(slice, map(operator.add, self.firsts, repeat(2)), map(operator.add, self.firsts, self.counts))
+        return list(chain.from_iterable(map(self.names.__getitem__, spans)))
 
     def expand(self) -> Any:
-        """The tree with each run as the whole dict it stands for."""
+        """The tree with each run as the whole dict it stands for (after :meth:`standins`)."""
         return self._put(None)
+
+
+def _check_runs(raws: list[Any], names: list[str], fail: Fail) -> tuple[list[str], list[int], list[int]]:
+    """Each run's (prefix, first, count), checked run by run in C; on a fault, :func:`_check_run` in order
+    finds and names the first faulty run."""
+    n = len(names)
+    ok = not raws or (set(map(type, raws)) == {list} and set(map(len, raws)) == {3})
+    columns: list[list[Any]] = [list(c) for c in zip(*raws, strict=True)] if ok and raws else [[], [], []]
+    prefixes, firsts, counts = columns
+    ok = ok and (not raws or set(map(type, prefixes)) == {str}) and _ints(firsts, 0, n) and _ints(counts, 1, n)
+    ends = list(map(operator.add, firsts, counts)) if ok else []
+    ok = ok and (not ends or max(ends) <= n)
+    if ok:  # no overlap: sorted by first, each run ends before the next begins
+        order = sorted(range(len(firsts)), key=firsts.__getitem__)
+        ok = all(map(operator.le, map(ends.__getitem__, order), map(firsts.__getitem__, order[1:])))
+    if ok:
+        spans = map(slice, firsts, ends)
+        ok = all(
+            map(
+                str.startswith,
+                chain.from_iterable(map(names.__getitem__, spans)),
+                chain.from_iterable(map(repeat, prefixes, counts)),
+            )
+        )
+    if not ok:
+        used = bytearray(n)
+        for raw in raws:
+            _check_run(raw, names, used, fail)
+        raise fail(f"tree {T_RUN} runs are malformed")  # unreachable while the two checks agree
+    return prefixes, firsts, counts
 
 
 def _check_run(raw: Any, names: list[str], used: bytearray, fail: Fail) -> tuple[str, int, int]:

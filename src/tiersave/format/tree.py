@@ -146,8 +146,10 @@ class TreeDecoder:
             for i, pair in enumerate(payload):
                 if not (isinstance(pair, list) and len(pair) == 2):
                     raise _fail(f"{path}[{i}]", "$dict entries must be [key, value] pairs")
-                key = self.decode(pair[0], f"{path}[{i}].key", depth + 1)
-                _check_key(key, f"{path}[{i}].key")
+                key = pair[0]
+                if type(key) is not int and type(key) is not str:  # an optimizer's state has 10^5 int keys
+                    key = self.decode(key, f"{path}[{i}].key", depth + 1)
+                    _check_key(key, f"{path}[{i}].key")
                 if key in out:
                     raise _fail(f"{path}[{i}]", f"duplicate dict key {key!r}")
                 out[key] = self.decode(pair[1], f"{path}.{key}", depth + 1)
