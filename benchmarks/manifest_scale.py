@@ -91,13 +91,19 @@ def document(count: int) -> dict[str, Any]:
 
 def encoded(count: int, encoding: str) -> bytes:
     """The sealed manifest of ``count`` tensors in ``encoding``."""
-    data = seal(document(count))
     if encoding == "entries":
-        return data
-    from tiersave.format import compact  # absent before format 4.0: imported only here
+        return seal(document(count))
+    # absent before format 4.0: imported only here
+    from tiersave.format import compact
+    from tiersave.format.manifest import ShardInfo, TensorEntry
 
     compact.COMPACT_MIN_TENSORS = 1
-    return Manifest.parse(data, path="manifest.json").to_json()
+    names, tree = layout(count)
+    crcs = [(f"{(i * 2654435761) & 0xFFFFFFFF:08x}",) for i in range(count)]
+    tensors = {n: TensorEntry(n, "bfloat16", (1024,), 0, i * 4096, 2048, crcs[i]) for i, n in enumerate(names)}
+    shard = ShardInfo("shard-00000-000.bin", 0, count * 4096)
+    m = Manifest(1, (shard,), tensors, tree, created_at="2026-11-23T00:00:00.000000Z")
+    return m.to_json()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,9 @@ Content hashes (1.2) and shard references (2.0), docs/format.md section 9: a sha
 (or, named in ``checksum.content``, the BLAKE3: 1.3, 2.1, 3.1) of its pieces (``ShardInfo.content``) and
 may live in an earlier step's directory (``ShardInfo.step``). The version written follows from what the
 shards use (:func:`version_for`), so a plain checkpoint stays 1.1.
+
+The compact table (4.0, docs/format.md 4.4, ``format/compact.py``): columns and tree runs from
+``compact.COMPACT_MIN_TENSORS`` tensors; parsed, both encodings give the same ``Manifest``.
 """
 
 from __future__ import annotations
@@ -290,7 +293,7 @@ class Manifest:
 
     @classmethod
     def _parse(cls, data: bytes, *, path: str, expect_step: int | None) -> Manifest:
-        # The tensor table's depth is checked by _Checker.tensors (10^5 entries: a tenth of the parse)
+        # Table depths: checked by _Checker.tensors (10^5 entries: a tenth of the parse), implied by TableDecoder
         doc = loads_strict(data, what=path, max_bytes=MAX_MANIFEST_BYTES, defer_depth=("tensors", "table"))
         try:
             verified = _check_seal(doc, path, data)
