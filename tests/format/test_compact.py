@@ -217,6 +217,7 @@ def at(i: int, value: Any):
         (table("names", lambda n: [n[0], [*n[1][:-1], 7]]), "suffixes must be strings"),
         (table("names", lambda n: [n[0][:-1], n[1]]), "shared prefix lengths must be one integer per name"),
         (table("names", lambda n: {"shared": n[0]}), "table.names must be [shared prefix lengths, suffixes]"),
+        (lambda d: d.update(names_doc(["y" * 1024])), "table.names decode to 1135 characters, over the 1100 limit"),
         # dtypes and shapes: unknown, out of the tables, too many dimensions, negative, nbytes overflow
         (table("dtypes", lambda t: [*t[:-1], "float128"]), "table.dtypes has unknown dtype 'float128'"),
         (table("dtypes", lambda t: [*t[:-1], 3]), "table.dtypes has unknown dtype 'int'"),
@@ -252,7 +253,9 @@ def at(i: int, value: Any):
         (lambda d: d.update(format_version="3.1", tensors={}), "manifest has unknown field(s) table"),
     ],
 )
-def test_every_per_entry_check_holds_on_the_compact_table(mutate, fragment):
+def test_every_per_entry_check_holds_on_the_compact_table(mutate, fragment, monkeypatch):
+    # a forged front coding must not decode to gigabytes of names: a low bound shows the check
+    monkeypatch.setattr(compact, "MAX_NAME_CHARS", 1100)
     doc = compact_doc()
     mutate(doc)
     assert fragment in parse_error(doc)

@@ -34,6 +34,10 @@ keep the per-entry table, which every 1.x-3.x reader reads (below it the JSON is
 ~0.1 s, so compatibility is worth more than the bytes)."""
 T_RUN = "$tensors"
 TABLE_FIELDS = ("names", "dtypes", "dtype", "shapes", "shape", "shard", "offset", "crc32c")
+MAX_NAME_CHARS = 256 << 20
+"""The decoded names of one table hold at most this many characters in all (4x the manifest cap): front
+coding lets a few bytes stand for a 1024-character name, and a forged table must not make a parse allocate
+gigabytes. A per-entry table is bounded by the cap itself."""
 _ALIGN = 4096
 _HEX = re.compile("[0-9a-f]*")
 _INT = {int}
@@ -110,6 +114,11 @@ def encode_table(names: Sequence[str], entries: Sequence[Entry]) -> dict[str, An
     }
 
 
+def _front_decode(shared: list[int], suffixes: list[str]) -> list[str]:
+    """Name i = name i-1's first ``shared[i]`` characters + ``suffixes[i]``."""
+    return list(accumulate(zip(shared, suffixes), lambda prev, cur: prev[: cur[0]] + cur[1], initial=""))[1:]
+
+
 def _ints(values: Any, lo: int, hi: int) -> bool:
     """``values`` is a list of ints (not bools) in [lo, hi]; True for an empty list."""
     if type(values) is not list:
@@ -163,6 +172,13 @@ class TableDecoder:
         shapes = list(map(shape_table.__getitem__, shape_idx))
         return names, dtypes, shapes, shards, offsets, nbytes, self.decode_crcs(raw["crc32c"], nbytes, chunk_bytes)
 
+    @staticmethod
+    def label(shared: list[int], suffixes: list[str], lengths: list[int], i: int) -> str:
+        """Name ``i`` (its first 80 characters, repr), decoded when the names up to it are within bounds."""
+        if sum(lengths[:i]) > MAX_NAME_CHARS:
+            return f"#{i}"
+        return repr(_front_decode(shared[: i + 1], suffixes[: i + 1])[i][:80])
+
     def decode_names(self, raw: Any) -> list[str]:
         """Front-coded names: ``[shared, suffixes]``, name i = name i-1's first ``shared[i]`` characters +
         ``suffixes[i]``; non-empty, at most ``max_name`` characters, no NUL, unique."""
@@ -173,18 +189,26 @@ class TableDecoder:
             raise self.fail("table.names shared prefix lengths must be one integer per name, the first 0")
         if suffixes and set(map(type, suffixes)) != {str}:
             raise self.fail("table.names suffixes must be strings")
-        names = list(accumulate(zip(shared, suffixes), lambda prev, cur: prev[: cur[0]] + cur[1], initial=""))[1:]
-        self.names = names
-        lengths = list(map(len, names))
-        if not all(map(operator.le, shared[1:], lengths)):
-            ok = [True, *map(operator.le, shared[1:], lengths)]
-            raise self.first_bad(ok, "shares more characters with the name before it than that name has")
-        if names and (
-            min(lengths) < 1 or max(lengths) > self.max_name or any(map(operator.contains, names, repeat("\0")))
-        ):
-            ok = [0 < k <= self.max_name and "\0" not in s for s, k in zip(names, lengths, strict=True)]
-            i = ok.index(False)
-            raise self.fail(f"tensor name {names[i][:80]!r} is empty, too long or contains NUL")
+        # Lengths first, from the columns: a few bytes of front coding can stand for a name of max_name
+        # characters, so the decoded size is bounded before any name is built (a faulty one is named only
+        # when the names up to it fit in that bound).
+        lengths = list(map(operator.add, shared, map(len, suffixes)))
+        fits = list(map(operator.le, shared[1:], lengths))
+        if not all(fits):
+            i = fits.index(False) + 1
+            what = "shares more characters with the name before it than that name has"
+            raise self.fail(f"tensor {self.label(shared, suffixes, lengths, i)} {what}")
+        if lengths and (min(lengths) < 1 or max(lengths) > self.max_name):
+            i = [0 < k <= self.max_name for k in lengths].index(False)
+            raise self.fail(
+                f"tensor name {self.label(shared, suffixes, lengths, i)} is empty, too long or contains NUL"
+            )
+        if sum(lengths) > MAX_NAME_CHARS:
+            raise self.fail(f"table.names decode to {sum(lengths)} characters, over the {MAX_NAME_CHARS} limit")
+        names = self.names = _front_decode(shared, suffixes)
+        if any(map(operator.contains, names, repeat("\0"))):
+            bad = next(s for s in names if "\0" in s)
+            raise self.fail(f"tensor name {bad[:80]!r} is empty, too long or contains NUL")
         if len(set(names)) != len(names):
             seen: set[str] = set()
             for name in names:
