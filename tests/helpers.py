@@ -91,3 +91,24 @@ def run_cli_json(capsys, *argv: str) -> dict:
     assert code == 0, err
     doc: dict = json.loads(out)
     return doc
+
+
+def accepted_bit_flips(data: bytes) -> list[tuple[int, int]]:
+    """Every (byte, bit) whose flip in manifest ``data`` parses to a manifest other than the original: a
+    flip must either be refused (``FormatError``) or change nothing the manifest means."""
+    from tiersave.errors import FormatError
+    from tiersave.format.manifest import Manifest
+
+    original = Manifest.parse(data, path="m")
+    accepted = []
+    for i in range(len(data)):
+        for bit in range(8):
+            flipped = bytearray(data)
+            flipped[i] ^= 1 << bit
+            try:
+                parsed = Manifest.parse(bytes(flipped), path="m")
+            except FormatError:
+                continue
+            if parsed != original:
+                accepted.append((i, bit))
+    return accepted

@@ -4,7 +4,8 @@ Targets: ``Manifest.parse`` followed by the tree decoding a restore does (``deco
 (a) a real manifest with structural mutations (values replaced by arbitrary JSON, keys deleted, list
 entries duplicated or swapped), resealed so that its checksum matches and only the validation stands in
 the way, or left unsealed; (b) a real manifest with raw byte damage (flips, truncation, insertion); and
-the tree decoder (``validate_tree``) fed arbitrary JSON trees built from the tag grammar.
+the tree decoder (``validate_tree``) fed arbitrary JSON trees built from the tag grammar. The manifest
+targets run on both tensor-table encodings: per entry (1.x) and compact (4.0, columns and tensor runs).
 
 Every input must either parse or raise a ``TiersaveError``; while the parser runs, an audit hook records
 any event that would mean code ran or the outside was touched (exec, compile, import, subprocess,
@@ -27,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tiersave
+from tiersave.format import compact
 from tiersave.format.manifest import Manifest, seal
 from tiersave.format.tree import TAGS, validate_tree
 from tiersave.state import decode_placeholders
@@ -82,9 +84,10 @@ def parse_like_restore(data: bytes) -> None:
     decode_placeholders(m.tree)
 
 
-@pytest.fixture(scope="module")
-def base_doc(tmp_path_factory) -> dict:
-    """A real manifest with every kind of value a tree holds."""
+@pytest.fixture(scope="module", params=["entries", "compact"])
+def base_doc(tmp_path_factory, request) -> dict:
+    """A real manifest with every kind of value a tree holds, with its tensor table per entry (1.x) and as
+    columns with tensor runs in the tree (4.0, docs/format.md 4.4)."""
     root = tmp_path_factory.mktemp("fuzz") / "ckpt"
     state = {
         "model": {"w": torch.randn(8, 4), "b": torch.zeros(3, dtype=torch.bfloat16)},
@@ -95,12 +98,19 @@ def base_doc(tmp_path_factory) -> dict:
         "misc": {"nan": math.nan, "inf": -math.inf, "bytes": b"\x00\xff", "none": None, "flag": True, "$odd": "k"},
         "step": 7,
     }
-    with tiersave.Checkpointer(root, event_log=False) as ckpt:
-        ckpt.save(7, state, metrics={"loss": 0.5}, tags=["t"])
+    saved = compact.COMPACT_MIN_TENSORS
+    compact.COMPACT_MIN_TENSORS = 1 if request.param == "compact" else saved
+    try:
+        with tiersave.Checkpointer(root, event_log=False) as ckpt:
+            ckpt.save(7, state, metrics={"loss": 0.5}, tags=["t"])
+    finally:
+        compact.COMPACT_MIN_TENSORS = saved
     doc = json.loads((root / "step-0000000007" / "manifest.json").read_bytes())
+    assert ("table" in doc) == (request.param == "compact")
     Audit.install()
     parse_like_restore(seal(copy.deepcopy(doc)))  # warm: every lazy import is done before the hook is armed
-    validate_tree(doc["tree"], set(doc["tensors"]))
+    if "tensors" in doc:
+        validate_tree(doc["tree"], set(doc["tensors"]))
     return doc
 
 

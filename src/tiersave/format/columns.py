@@ -15,7 +15,7 @@ import math
 import operator
 import re
 from collections.abc import Sequence
-from itertools import accumulate, chain, compress, repeat
+from itertools import accumulate, chain, compress, pairwise, repeat
 from typing import Any
 
 from .dtypes import DTYPES
@@ -152,3 +152,25 @@ def seal_bytes(doc: dict[str, Any], field: str) -> bytes:
         return dumps_canonical(doc)  # nothing to splice after (the field alone): serialize again
     at = len(head) - 2
     return b"".join((unsealed[:at], f',"{field}":"{digest}"'.encode(), unsealed[at:]))
+
+
+def first_range_fault(entries: Sequence[Any], shards: Sequence[tuple[str, int]], align: int) -> str:
+    """Entry by entry: the message naming the first tensor whose range is wrong, once :func:`ranges_ok` said
+    one is. ``entries`` have ``name``, ``shard``, ``offset`` and ``nbytes``; ``shards`` are (file, size)."""
+    by_shard: dict[int, list[tuple[int, int, str]]] = {}
+    for t in entries:
+        if t.offset % align:
+            return f"tensor {t.name!r} offset {t.offset} is not {align}-aligned"
+        if t.shard >= len(shards):
+            return f"tensor {t.name!r} refers to missing shard {t.shard}"
+        file, size = shards[t.shard]
+        if t.offset + t.nbytes > size:
+            return f"tensor {t.name!r} range [{t.offset}, {t.offset + t.nbytes}) exceeds shard {file} of {size} bytes"
+        if t.nbytes:
+            by_shard.setdefault(t.shard, []).append((t.offset, t.offset + t.nbytes, t.name))
+    for ranges in by_shard.values():
+        ranges.sort()
+        for (_, end, a), (start, _, b) in pairwise(ranges):
+            if start < end:
+                return f"tensors {a!r} and {b!r} overlap in their shard"
+    return "a tensor's byte range is wrong"  # unreachable while ranges_ok and this agree

@@ -32,11 +32,11 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
-def loads_strict(data: bytes, *, what: str, max_bytes: int, defer_depth: str | None = None) -> Any:
+def loads_strict(data: bytes, *, what: str, max_bytes: int, defer_depth: tuple[str, ...] = ()) -> Any:
     """Parse ``data`` as strict JSON or raise :class:`FormatError` naming ``what``.
 
     Rejects: more than ``max_bytes``, invalid UTF-8, NaN/Infinity, duplicate keys, nesting deeper than
-    :data:`MAX_DEPTH`, and integers too long to convert. ``defer_depth``: a top-level key whose value's depth
+    :data:`MAX_DEPTH`, and integers too long to convert. ``defer_depth``: top-level keys whose values' depth
     the caller checks before walking it in Python (see :func:`check_depth`).
     """
     if len(data) > max_bytes:
@@ -55,13 +55,13 @@ def loads_strict(data: bytes, *, what: str, max_bytes: int, defer_depth: str | N
     return value
 
 
-def check_depth(value: Any, *, what: str, limit: int = MAX_DEPTH, start: int = 1, skip: str | None = None) -> None:
+def check_depth(value: Any, *, what: str, limit: int = MAX_DEPTH, start: int = 1, skip: tuple[str, ...] = ()) -> None:
     """Raise :class:`FormatError` if ``value`` nests lists/dicts deeper than ``limit``, counting ``value`` itself
-    as level ``start`` (a subtree checked on its own). ``skip``: a key of a top-level object whose value is
+    as level ``start`` (a subtree checked on its own). ``skip``: keys of a top-level object whose values are
     left out, for a caller that checks that subtree itself (``check_depth(..., start=2)``) or proves its
     depth some cheaper way."""
-    if skip is not None and type(value) is dict and skip in value:
-        value = {key: child for key, child in value.items() if key != skip}
+    if skip and type(value) is dict:
+        value = {key: child for key, child in value.items() if key not in skip}
     # Level by level, with the per-value work in C (chain, map, compress): a manifest of 10^5 tensors has
     # 10^6 scalars (shapes, offsets, checksums) that are never touched one by one in Python.
     level = [value] if isinstance(value, _CONTAINERS) else []

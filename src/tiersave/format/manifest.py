@@ -12,6 +12,9 @@ Content hashes (1.2) and shard references (2.0), docs/format.md section 9: a sha
 (or, named in ``checksum.content``, the BLAKE3: 1.3, 2.1, 3.1) of its pieces (``ShardInfo.content``) and
 may live in an earlier step's directory (``ShardInfo.step``). The version written follows from what the
 shards use (:func:`version_for`), so a plain checkpoint stays 1.1.
+
+The compact table (4.0, docs/format.md 4.4, ``format/compact.py``): columns and tree runs from
+``compact.COMPACT_MIN_TENSORS`` tensors; parsed, both encodings give the same ``Manifest``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, cast
 from .._version import __version__
 from ..errors import CorruptCheckpointError, FormatError, UnsupportedFormatVersionError
 from . import (
+    COMPACT_VERSION_STR,
     CONTENT_HASHES,
     ENCODED_VERSION_STR,
     FORMAT_NAME,
@@ -40,8 +44,10 @@ from . import (
     READ_VERSIONS,
     REFERENCE_VERSION_STR,
 )
+from . import compact as _compact
 from .checksum import ALGORITHM, chunk_count
-from .columns import Columns, ranges_ok, raw_seal_matches, seal_bytes, tensor_columns
+from .columns import Columns, first_range_fault, ranges_ok, raw_seal_matches, seal_bytes, tensor_columns
+from .compact import TableDecoder, TreeRuns, compress_tree, encode_table, entry_table
 from .dtypes import lookup
 from .encoding import Encoding, parse_encoding
 from .jsonsafe import check_depth, dumps_canonical, is_finite_number, loads_strict, paused_gc
@@ -125,13 +131,18 @@ class ShardInfo:
 
 
 def version_for(
-    shards: tuple[ShardInfo, ...], current: str = FORMAT_VERSION_STR, content_hash: str = CONTENT_HASHES[0]
+    shards: tuple[ShardInfo, ...],
+    current: str = FORMAT_VERSION_STR,
+    content_hash: str = CONTENT_HASHES[0],
+    compact: bool = False,
 ) -> str:
-    """The format version a manifest with these shards is written as: the lowest that describes them: 3.0
-    with a compressed shard, 2.0 with a reference, 1.2 with content hashes, else ``current`` (a 1.x
-    version; the one it was read as) or 1.1. Content hashes by another function than SHA-256 (``content_hash``)
-    make it the next minor version: 3.1, 2.1, 1.3."""
-    if any(s.encoding is not None for s in shards):
+    """The format version a manifest with these shards is written as: the lowest that describes them: 4.0
+    with the compact table, 3.0 with a compressed shard, 2.0 with a reference, 1.2 with content hashes, else
+    ``current`` (a 1.x version; the one it was read as) or 1.1. Content hashes by another function than
+    SHA-256 (``content_hash``) make it the next minor version: 4.1, 3.1, 2.1, 1.3."""
+    if compact:
+        version = COMPACT_VERSION_STR
+    elif any(s.encoding is not None for s in shards):
         version = ENCODED_VERSION_STR
     elif any(s.step is not None for s in shards):
         version = REFERENCE_VERSION_STR
@@ -232,27 +243,19 @@ class Manifest:
             return self._to_json()
 
     def _to_json(self) -> bytes:
+        names, entries = list(self.tensors), list(self.tensors.values())
+        compact = len(names) >= _compact.COMPACT_MIN_TENSORS  # docs/format.md 4.4: columns, format 4.x
         doc = {
             "format": FORMAT_NAME,
-            "format_version": version_for(self.shards, self.format_version, self.content_hash),
+            "format_version": version_for(self.shards, self.format_version, self.content_hash, compact),
             "step": self.step,
             "created_at": self.created_at,
             "world_size": self.world_size,
             "library": dict(self.library),
             "checksum": self._checksum_doc(),
             "shards": [s.to_json() for s in self.shards],
-            "tensors": {
-                name: {
-                    "dtype": t.dtype,
-                    "shape": list(t.shape),
-                    "shard": t.shard,
-                    "offset": t.offset,
-                    "nbytes": t.nbytes,
-                    "crc32c": list(t.crc32c),
-                }
-                for name, t in self.tensors.items()
-            },
-            "tree": self.tree,
+            ("table" if compact else "tensors"): (encode_table if compact else entry_table)(names, entries),
+            "tree": compress_tree(self.tree, names) if compact else self.tree,
             "metrics": dict(self.metrics),
             "tags": list(self.tags),
             "metadata": dict(self.metadata),
@@ -290,8 +293,8 @@ class Manifest:
 
     @classmethod
     def _parse(cls, data: bytes, *, path: str, expect_step: int | None) -> Manifest:
-        # The tensor table's depth is checked by _Checker.tensors (10^5 entries: a tenth of the parse)
-        doc = loads_strict(data, what=path, max_bytes=MAX_MANIFEST_BYTES, defer_depth="tensors")
+        # Table depths: checked by _Checker.tensors (10^5 entries: a tenth of the parse), implied by TableDecoder
+        doc = loads_strict(data, what=path, max_bytes=MAX_MANIFEST_BYTES, defer_depth=("tensors", "table"))
         try:
             verified = _check_seal(doc, path, data)
             manifest = _Checker(path).build(doc)
@@ -356,6 +359,8 @@ class _Checker:
         self.shard_fields = _SHARD_FIELDS
         self.checksum_fields = _CHECKSUM_FIELDS
         self.columns: Columns | None = None
+        self.top_fields = _TOP_FIELDS
+        self.tree_checked = False
 
     def fail(self, message: str) -> FormatError:
         return FormatError(f"{self.path}: {message}", path=self.path)
@@ -397,6 +402,8 @@ class _Checker:
             )
         # A newer minor version may add fields we may ignore; an older or equal one may not surprise us.
         self.strict_fields = minor <= known
+        if major >= 4:
+            self.top_fields = _TOP_FIELDS - {"tensors"} | {"table"}
         if major >= 3:
             self.shard_fields = _SHARD_FIELDS_3_0
         elif major == 2:
@@ -411,7 +418,7 @@ class _Checker:
         if not isinstance(doc, dict):
             raise self.fail("manifest must be a JSON object")
         version = self.version(doc)
-        self.fields(doc, _TOP_FIELDS, _TOP_FIELDS - {"stats", "metadata"}, "manifest")
+        self.fields(doc, self.top_fields, self.top_fields - {"stats", "metadata"}, "manifest")
         step = self.int_field(doc["step"], "step", hi=MAX_STEP)
         created_at = doc["created_at"]
         if not isinstance(created_at, str) or len(created_at) > 64:
@@ -435,7 +442,17 @@ class _Checker:
             raise self.fail("shards must be an array")
         shards = [self.shard(i, raw, world_size, step, chunk_bytes) for i, raw in enumerate(doc["shards"])]
 
-        tensors = self.tensors(doc["tensors"], len(shards), chunk_bytes)
+        tree = doc["tree"]
+        if "table" in self.top_fields:
+            self.columns = TableDecoder(self.fail, max_ndim=_MAX_NDIM, max_name=_MAX_NAME, max_int=_MAX_INT).decode(
+                doc["table"], len(shards), chunk_bytes
+            )
+            tensors = dict(zip(self.columns[0], _entries(self.columns), strict=True))
+            runs = TreeRuns(tree, self.columns[0], self.fail)
+            self.check_tree(runs.standins(), set(tensors), runs.referenced())
+            tree = runs.expand()
+        else:
+            tensors = self.tensors(doc["tensors"], len(shards), chunk_bytes)
 
         metrics = doc["metrics"]
         if not isinstance(metrics, dict) or not all(is_finite_number(v) for v in metrics.values()):
@@ -454,7 +471,7 @@ class _Checker:
             step=step,
             shards=tuple(shards),
             tensors=tensors,
-            tree=doc["tree"],
+            tree=tree,
             world_size=world_size,
             chunk_bytes=chunk_bytes,
             created_at=created_at,
@@ -570,30 +587,13 @@ class _Checker:
                 list(map(operator.attrgetter(f), entries)) for f in ("shard", "offset", "nbytes")
             )
         if not ranges_ok([s.size for s in m.shards], shards, offsets, nbytes, ALIGN):
-            self._check_ranges(m)
+            raise self.fail(first_range_fault(list(m.tensors.values()), [(s.file, s.size) for s in m.shards], ALIGN))
+        if not self.tree_checked:
+            self.check_tree(m.tree, set(m.tensors))
+
+    def check_tree(self, tree: Any, names: set[str], referenced: list[str] | None = None) -> None:
         try:
-            validate_tree(m.tree, set(m.tensors))
+            validate_tree(tree, names, referenced or ())
         except FormatError as exc:
             raise self.fail(str(exc)) from None
-
-    def _check_ranges(self, m: Manifest) -> None:
-        """Entry by entry: finds and names the first tensor whose range is wrong (``ranges_ok`` said one is)."""
-        by_shard: dict[int, list[tuple[int, int, str]]] = {}
-        for t in m.tensors.values():
-            if t.offset % ALIGN:
-                raise self.fail(f"tensor {t.name!r} offset {t.offset} is not {ALIGN}-aligned")
-            if t.shard >= len(m.shards):
-                raise self.fail(f"tensor {t.name!r} refers to missing shard {t.shard}")
-            size = m.shards[t.shard].size
-            if t.offset + t.nbytes > size:
-                raise self.fail(
-                    f"tensor {t.name!r} range [{t.offset}, {t.offset + t.nbytes}) exceeds shard "
-                    f"{m.shards[t.shard].file} of {size} bytes"
-                )
-            if t.nbytes:
-                by_shard.setdefault(t.shard, []).append((t.offset, t.offset + t.nbytes, t.name))
-        for ranges in by_shard.values():
-            ranges.sort()
-            for (_, end, a), (start, _, b) in itertools.pairwise(ranges):
-                if start < end:
-                    raise self.fail(f"tensors {a!r} and {b!r} overlap in their shard")
+        self.tree_checked = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from ..errors import FormatError
@@ -145,8 +146,10 @@ class TreeDecoder:
             for i, pair in enumerate(payload):
                 if not (isinstance(pair, list) and len(pair) == 2):
                     raise _fail(f"{path}[{i}]", "$dict entries must be [key, value] pairs")
-                key = self.decode(pair[0], f"{path}[{i}].key", depth + 1)
-                _check_key(key, f"{path}[{i}].key")
+                key = pair[0]
+                if type(key) is not int and type(key) is not str:  # an optimizer's state has 10^5 int keys
+                    key = self.decode(key, f"{path}[{i}].key", depth + 1)
+                    _check_key(key, f"{path}[{i}].key")
                 if key in out:
                     raise _fail(f"{path}[{i}]", f"duplicate dict key {key!r}")
                 out[key] = self.decode(pair[1], f"{path}.{key}", depth + 1)
@@ -232,9 +235,11 @@ class _ValidatingHooks:
         return None
 
 
-def validate_tree(tree: Any, tensor_names: set[str]) -> None:
-    """Check the tree's grammar, that it references only known tensors, and that it references all of them."""
+def validate_tree(tree: Any, tensor_names: set[str], referenced: Iterable[str] = ()) -> None:
+    """Check the tree's grammar, that it references only known tensors, and that it references all of them.
+    ``referenced``: known tensors referenced by parts of the tree the caller checked (the runs of format 4.x)."""
     hooks = _ValidatingHooks(tensor_names)
+    hooks.referenced.update(referenced)
     TreeDecoder(hooks).decode(tree)
     orphans = tensor_names - hooks.referenced
     if orphans:
