@@ -55,4 +55,3 @@ def test_a_bad_grace_is_a_config_error_naming_the_variable(value):
         pytest.raises(ConfigError, match="TIERSAVE_LEFTOVER_GRACE_S"),
     ):
         leftover_grace_s()
-
