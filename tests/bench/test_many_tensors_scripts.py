@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -51,12 +53,14 @@ def test_scaling_plot_and_json(tmp_path: Path) -> None:
     assert {v["tensors"] for v in samples.values()} == {50, 200}
 
 
-def test_manifest_scale_reports_size_parse_and_the_cap(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("encoding", "low", "high"), [("entries", 150, 400), ("compact", 20, 100)])
+def test_manifest_scale_reports_size_parse_and_the_cap(tmp_path: Path, encoding: str, low: int, high: int) -> None:
     js = tmp_path / "m.json"
-    out = _run("manifest_scale.py", "--counts", "1000", "--runs", "1", "--json", str(js), cwd=tmp_path)
+    args = ("--counts", "1000", "--runs", "1", "--encoding", encoding, "--json", str(js))
+    out = _run("manifest_scale.py", *args, cwd=tmp_path)
     assert "1,000 tensors" in out and "the 64 MiB cap holds about" in out
     (row,) = json.loads(js.read_text())
-    assert row["tensors"] == 1000 and 200 < row["bytes_per_tensor"] < 400 and not row["over_cap"]
+    assert row["tensors"] == 1000 and low < row["bytes_per_tensor"] < high and not row["over_cap"]
 
 
 def test_vectored_reads_prints_every_method(tmp_path: Path) -> None:
