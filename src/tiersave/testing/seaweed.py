@@ -163,6 +163,9 @@ class SeaweedServer:
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             "-master.telemetry=false",
+            # One volume per bucket, and every test makes buckets: the automatic limit (from the free disk)
+            # ran out after ~60 of them ("no free volumes left", HTTP 500). Volumes grow as written.
+            "-volume.max=4000",
         ]
         env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
         log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
