@@ -3,6 +3,7 @@ back-pressure, shutdown (close, interpreter exit, SIGTERM), statistics, schedule
 
 from __future__ import annotations
 
+import gc
 import json
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -355,3 +357,19 @@ def test_host_copier_splits_and_balances_copies_exactly():
         assert torch.equal(dst, src)
     finally:
         copier.close()
+
+
+def test_a_finished_save_keeps_no_reference_to_the_saved_tensors(tmp_path):
+    """Once a save is durable, dropping the state frees its tensors: an idle writer thread held its last
+    task (the write job and, through it, the caller's tensors) until the next save."""
+    with tiersave.Checkpointer(str(tmp_path / "root"), event_log=False) as ckpt:
+        for blocking in (False, True):
+            tensor = torch.ones(1 << 16)
+            alive = weakref.ref(tensor)
+            if blocking:
+                ckpt.save(2, {"w": tensor})
+            else:
+                ckpt.save_async(1, {"w": tensor}).result()
+            del tensor
+            gc.collect()
+            assert alive() is None, "the save still holds the state it wrote"

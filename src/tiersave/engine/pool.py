@@ -61,6 +61,10 @@ class DaemonThreadPool(Executor):
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
+                del result
+            # An idle worker would otherwise hold its last task until the next one arrives: a finished save's
+            # write job, and through it the caller's tensors (what concurrent.futures fixed as gh-60488).
+            del item, fut, fn, args, kwargs
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False, timeout: float | None = None) -> None:
         with self._lock:
