@@ -113,13 +113,15 @@ class _Chunk:
 
 class References(Protocol):
     """An incremental drain's plan (``drain_refs.ShardRefs``): copy ``work``, the source manifest cut to the
-    shards to copy (``copied``: their indices in the source), then ``complete`` the destination manifest."""
+    shards to copy (``copied``: their indices in the source), then ``complete`` the destination manifest, and
+    ``check_present`` what it references right before the commit."""
 
     @property
     def work(self) -> Manifest: ...
     @property
     def copied(self) -> Sequence[int]: ...
     def complete(self, written: Manifest) -> Manifest: ...
+    def check_present(self) -> None: ...
 
 
 def same_checkpoint(a: Manifest, b: Manifest) -> bool:
@@ -322,6 +324,8 @@ def copy_checkpoint(
         Manifest.parse(data, path=f"{dst_location}/{MANIFEST_NAME}", expect_step=step)
         if read_back:
             _read_back(dst, prefix, names, written, dst_location, pool, nbuffers, advance)
+        if refs is not None:  # last, right before the commit: a retention elsewhere may have run meanwhile
+            refs.check_present()
         commit.commit(prefix, step, data)
     except BaseException:
         for writer in writers:

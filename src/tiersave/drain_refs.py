@@ -125,17 +125,21 @@ class ShardRefs:
         copied = iter(written.shards)
         for i, shard in enumerate(self.source.shards):
             shards.append(self.refs[i] if i in self.refs else dataclasses.replace(next(copied), content=shard.content))
-        self._check_present()
         stats = {**self.source.stats, CHAIN_STAT: chain_of(self.base) if self.refs else 0}
         tensors: dict[str, TensorEntry] = dict(self.source.tensors)
         return dataclasses.replace(written, shards=tuple(shards), tensors=tensors, stats=stats)
 
-    def _check_present(self) -> None:
+    def check_present(self) -> None:
+        """Every referenced shard is on the tier, at its size, in a step still committed there (a retention
+        un-commits a step before deleting its files); else nothing may be committed."""
+        committed: dict[int, bool] = {}
         for ref in self.refs.values():
             key = ref.key(step_dirname(self.source.step))
-            holder = f"{step_dirname(ref.step or 0)}/{MANIFEST_NAME}"  # un-committed first when deleted
+            holder = ref.step or 0
+            if holder not in committed:
+                committed[holder] = self.dst.exists(f"{step_dirname(holder)}/{MANIFEST_NAME}")
             try:
-                size: int | None = self.dst.head(key).size if self.dst.exists(holder) else None
+                size: int | None = self.dst.head(key).size if committed[holder] else None
             except ObjectNotFoundError:
                 size = None
             if size != ref.stored_size:

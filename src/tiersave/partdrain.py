@@ -106,8 +106,11 @@ class PartDrains:
             )
         self.tiers = chain.tiers[1:]
         for tier in self.tiers:
-            # incremental= is read by name: the option may be newer than this module's view of Tier
-            options = [o for o in ("compress", "incremental") if getattr(tier.spec, o, None) not in (None, False)]
+            options = [
+                o
+                for o, on in (("compress", tier.spec.compress is not None), ("incremental", tier.spec.incremental))
+                if on
+            ]
             if options:
                 raise ConfigError(
                     f"{'= and '.join(options)}= on tier {tier.name} is not supported after a memory tier on "
@@ -207,8 +210,10 @@ class PartDrains:
                 self._busy[tier.name] = future
             try:
                 self._pools[name].submit(self._drain, tier, handle.step, future)
-            except BaseException:
+            except BaseException as exc:  # never leave the handle's tier (or rank 0's next decision) waiting
                 chain.protection.release(0, handle.step)
+                self._busy.pop(tier.name, None)
+                future.set_exception(exc)
                 raise
 
     # -- the drain (each tier's drain thread, node leaders) ------------------------------------------
