@@ -303,7 +303,7 @@ def test_every_single_bit_flip_of_a_compact_manifest_is_rejected():
 def test_a_forged_deep_table_is_a_format_error():
     doc = compact_doc()
     deep: Any = 1
-    for _ in range(400):
+    for _ in range(600):  # past the format's depth cap (512), so the table's own check is what answers
         deep = [deep]
     doc["table"]["shapes"] = [deep]
     assert "table.shapes dimensions must be integers" in parse_error(doc)
@@ -327,6 +327,24 @@ def test_a_checkpoint_in_the_compact_encoding_restores_verifies_and_exports(root
         assert ckpt.verify(1).ok
     assert all(torch.equal(out["layers"][k], v) for k, v in state["layers"].items())
     assert torch.equal(out["half"], state["half"]) and out["tied"] is out["layers"]["l3"]
+
+
+def test_empty_tensors_beside_tensors_of_several_chunks_keep_their_own_checksums(
+    root: Path, compact_always, monkeypatch
+):
+    """As many empty tensors as extra chunks make the chunk total equal the tensor count: the one-chunk-each
+    shortcut must not take it for that case and hand each tensor its neighbour's checksums."""
+    monkeypatch.setenv("TIERSAVE_CHUNK_BYTES", "4096")
+    state = {"a": torch.empty(0), "b": torch.arange(2048, dtype=torch.float32)}  # 8 KiB: two chunks
+    with tiersave.Checkpointer(root) as ckpt:
+        ckpt.save(1, state)
+        out = ckpt.restore(1)
+        assert ckpt.verify(1).ok
+    assert torch.equal(out["b"], state["b"]) and out["a"].numel() == 0
+    doc = json.loads((root / "step-0000000001" / "manifest.json").read_bytes())
+    assert doc["format_version"].startswith("4.")
+    parsed = Manifest.parse((root / "step-0000000001" / "manifest.json").read_bytes(), path="manifest.json")
+    assert parsed.tensors["a"].crc32c == () and len(parsed.tensors["b"].crc32c) == 2
 
 
 def test_a_corrupt_compact_checkpoint_names_the_tensor_at_restore(root: Path, compact_always):

@@ -102,6 +102,9 @@ def encode_table(names: Sequence[str], entries: Sequence[Entry]) -> dict[str, An
     dtype = [dtype_of.setdefault(e.dtype, len(dtype_of)) for e in entries]
     shape = [shape_of.setdefault(e.shape, len(shape_of)) for e in entries]
     units = [e.offset // _ALIGN for e in entries]
+    if any(e.offset % _ALIGN for e in entries):  # the table stores 4 KiB units: refuse, never round
+        bad = next(n for n, e in zip(names, entries) if e.offset % _ALIGN)
+        raise FormatError(f"tensor {bad!r}: offset is not a multiple of {_ALIGN}, which a 4.x table cannot hold")
     return {
         "names": [shared, list(map(operator.getitem, names, map(slice, shared, repeat(None))))],
         "dtypes": list(dtype_of),
@@ -252,7 +255,7 @@ class TableDecoder:
         if len(raw) != 8 * total:
             raise self.fail(f"table.crc32c has {len(raw)} hex digits for {total} chunks (8 per chunk)")
         crcs = [raw[i : i + 8] for i in range(0, len(raw), 8)]
-        if total == len(nbytes):  # one chunk each: the common case of many small tensors
+        if chunks.count(1) == len(chunks):  # one chunk each: the common case of many small tensors
             return list(zip(crcs, strict=True))
         return list(map(tuple, map(crcs.__getitem__, map(slice, [0, *ends[:-1]], ends))))
 
