@@ -97,6 +97,22 @@ class Selection:
         return frozenset(t.name for t in self.tensors)
 
 
+def check_keys(state: Any, flat: FlatState, keys: Sequence[str]) -> None:
+    """What :func:`select` checks of the state itself, also at a save that reuses the previous selection
+    (plain values are read afresh at every save: a declared key may have gone, the tree may have changed form).
+
+    Raises:
+        ConfigError: the state is not a dict with string keys, a key is missing, or the tree is not a plain dict.
+    """
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+        raise ConfigError("replicated= names top-level keys: the state must be a dict with string keys")
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise ConfigError(f"replicated key(s) {missing} are not in the state (its keys: {sorted(state)[:20]})")
+    if not isinstance(flat.tree, dict):  # a dict with torch's _metadata is wrapped in a tag
+        raise ConfigError("replicated= needs a plain dict state (not a state_dict with _metadata)")
+
+
 def select(state: Any, flat: FlatState, keys: Sequence[str]) -> Selection:
     """The tensors of ``flat`` (the flattened ``state``) under the top-level ``keys``.
 
@@ -104,14 +120,8 @@ def select(state: Any, flat: FlatState, keys: Sequence[str]) -> Selection:
         ConfigError: the state is not a dict with string keys, a key is missing, or a tensor is shared
             between a replicated key and a key that is not (it cannot be both written once and per rank).
     """
-    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
-        raise ConfigError("replicated= names top-level keys: the state must be a dict with string keys")
-    missing = [k for k in keys if k not in state]
-    if missing:
-        raise ConfigError(f"replicated key(s) {missing} are not in the state (its keys: {sorted(state)[:20]})")
+    check_keys(state, flat, keys)
     tree = flat.tree
-    if not isinstance(tree, dict):  # a dict with torch's _metadata is wrapped in a tag
-        raise ConfigError("replicated= needs a plain dict state (not a state_dict with _metadata)")
     escaped = {escape_key(k): k for k in keys}
     key_of: dict[str, str] = {}
     own: set[str] = set()

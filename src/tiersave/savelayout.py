@@ -28,7 +28,7 @@ from .engine.pipeline import SavePlan, plan_save
 from .format.layout import align_up, shard_filename
 from .knobs import reuse_layout
 from .reflatten import Layout, flatten_layout, reflatten
-from .replicated import Selection, assign, fingerprints, select
+from .replicated import Selection, assign, check_keys, fingerprints, select
 from .state import FlatState, FlatTensor
 
 _NO_SOURCE = torch.empty(0)
@@ -122,6 +122,8 @@ class LayoutCache:
             kept.plan = kept.plan_for = None
         selection: Selection | None
         if reused and kept is not None and kept.keys == replicated and kept.plan_for is not None:
+            if replicated:
+                check_keys(state, flat, replicated)
             selection = kept.selection
             tensors = flat.tensors if kept.own is None else [flat.tensors[i] for i in kept.own]
             padded = kept.padded

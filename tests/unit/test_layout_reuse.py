@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tiersave import Checkpointer
+from tiersave.errors import ConfigError
 from tiersave.knobs import override_env
 from tiersave.reflatten import flatten_layout, reflatten
 from tiersave.savelayout import LayoutCache
@@ -177,3 +178,18 @@ def test_reuse_can_be_turned_off(tmp_path):
     with Checkpointer(tmp_path / "on", event_log=False) as ckpt:
         ckpt.save(1, state)
         assert _stats_reused(ckpt.save(2, state))
+
+
+def test_a_reused_selection_still_checks_the_declared_keys_against_the_state():
+    """Plain values are read afresh at every save: a declared replicated key holding only a plain value may be
+    gone while every tensor is where it was, and the reused layout must refuse it as a fresh one would."""
+    cache = LayoutCache(0, 2)
+    w = torch.randn(1000)
+
+    def lay(state: dict[str, Any]) -> Any:
+        return cache.layout(state, ("w", "step"), collective=True, chunk_for=lambda n: 1 << 20, max_shard_bytes=None)
+
+    lay({"w": w, "step": 1})
+    assert lay({"w": w, "step": 2}).reused
+    with pytest.raises(ConfigError, match=r"replicated key\(s\) \['step'\] are not in the state"):
+        lay({"w": w})

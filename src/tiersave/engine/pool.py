@@ -54,6 +54,7 @@ class DaemonThreadPool(Executor):
                 return
             fut, fn, args, kwargs = item
             if not fut.set_running_or_notify_cancel():
+                del item, fut, fn, args, kwargs
                 continue
             try:
                 result = fn(*args, **kwargs)
