@@ -564,7 +564,8 @@ class Catalog:
 
     def leftovers(self) -> list[tuple[str, str]]:
         """Leftovers of interrupted saves and deletes with their status: ``dead`` (interrupted), ``live``
-        (a running save on this host) or ``unknown`` (made on another host). On a file system these are
+        (a running save on this host) or ``unknown`` (made on another host, within the grace of
+        :meth:`clean_leftovers`). On a file system these are
         temporary and trash directories; on an object store, save attempts no manifest refers to."""
         if not self.storage.capabilities.atomic_rename:
             from .commit import MarkerCommit
@@ -575,13 +576,16 @@ class Catalog:
             if not is_leftover(name):
                 continue
             alive = owner_alive(name) if ".tmp-" in name else False
+            if alive is None:  # another host's: abandoned once untouched for the grace, as on an object store
+                newest = max((info.mtime for info in self.storage.list(name)), default=time.time())
+                alive = None if time.time() - newest < knobs.leftover_grace_s() else False
             out.append((name, "live" if alive else ("dead" if alive is False else "unknown")))
         return out
 
     def clean_leftovers(self, *, force: bool = False) -> list[str]:
         """Remove leftovers of interrupted saves and deletes. A live save's data is always kept; data made
-        on another host (shared file system, object store) only with ``force``, or on an object store once
-        nothing was added to it for ``TIERSAVE_LEFTOVER_GRACE_S`` (a day by default)."""
+        on another host (shared file system, object store) only with ``force``, or once nothing was added to
+        it for ``TIERSAVE_LEFTOVER_GRACE_S`` (a day by default; an empty one is kept)."""
         if not self.storage.capabilities.atomic_rename:
             from .commit import MarkerCommit
 

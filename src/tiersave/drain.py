@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from . import knobs
-from .catalog import Catalog
+from .catalog import Catalog, OpenCheckpoint
 from .commit import commit_for
 from .engine.codec import DecodingReader, encode_frame, plan_frames, require_codec
 from .errors import AlreadyExistsError, ConfigError, CorruptCheckpointError
@@ -146,6 +146,22 @@ def destination_names(manifest: Manifest) -> list[str]:
     return [shard_filename(s.rank, i) for i, s in enumerate(manifest.shards)]
 
 
+def cut(manifest: Manifest, keep: Sequence[int]) -> Manifest:
+    """``manifest`` with only the shards ``keep`` (indices, in that order) and their tensors, renumbered: the
+    part of a checkpoint one copy moves."""
+    position = {old: new for new, old in enumerate(keep)}
+    tensors = {
+        n: dataclasses.replace(t, shard=position[t.shard]) for n, t in manifest.tensors.items() if t.shard in position
+    }
+    return dataclasses.replace(manifest, shards=tuple(manifest.shards[i] for i in keep), tensors=tensors)
+
+
+def _buffers(threads: int, buffer_bytes: int | None, chunk_bytes: int) -> int:
+    """Chunk buffers of a copy: one per thread and one more, within ``buffer_bytes`` (at least two)."""
+    budget = buffer_bytes if buffer_bytes is not None else DEFAULT_BUFFER_BYTES
+    return max(2, min(threads + 1, budget // chunk_bytes))
+
+
 def _chunks(manifest: Manifest) -> list[_Chunk]:
     out = []
     for entry in sorted(manifest.tensors.values(), key=lambda t: (t.shard, t.offset)):
@@ -191,7 +207,7 @@ class _Pump:
 
 
 def copy_checkpoint(
-    src: Storage,
+    src: Storage | Catalog,
     dst: Storage,
     step: int,
     *,
@@ -213,7 +229,8 @@ def copy_checkpoint(
     and the error re-raised; a committed checkpoint on ``dst`` is never modified.
 
     Args:
-        src: where the checkpoint is committed.
+        src: where the checkpoint is committed, or its catalog (whose cached manifest is then used: a drain
+            from the first tier parses nothing again).
         dst: where to copy it.
         step: the step.
         if_exists: ``"error"``: raise :class:`AlreadyExistsError` if ``dst`` has ``step``; ``"skip"``:
@@ -244,7 +261,7 @@ def copy_checkpoint(
     if compress is not None:
         require_codec(compress)
     started = time.perf_counter()
-    source = Catalog(src)
+    source = src if isinstance(src, Catalog) else Catalog(src)
     full = source.manifest(step)
     manifest, index = (refs.work, refs.copied) if refs is not None else (full, range(len(full.shards)))
     src_location = source.location(step)
@@ -265,16 +282,14 @@ def copy_checkpoint(
     threads = io_threads if io_threads is not None else knobs.io_threads()
     if not isinstance(threads, int) or threads < 1:
         raise ConfigError(f"io_threads must be a positive integer, got {threads!r}")
-    budget = buffer_bytes if buffer_bytes is not None else DEFAULT_BUFFER_BYTES
-    nbuffers = max(2, min(threads + 1, budget // manifest.chunk_bytes))
+    nbuffers = _buffers(threads, buffer_bytes, manifest.chunk_bytes)
     own_pool = executor is None
     pool = executor or ThreadPoolExecutor(threads, thread_name_prefix="tiersave-copy")
     commit = commit_for(dst)
     prefix = commit.begin(step)
     names = destination_names(manifest)
     writers: list[BlobWriter] = []
-    chunks = _chunks(manifest)
-    total = sum(c.length for c in chunks)
+    total = manifest.total_bytes
     done = [0]
     done_lock = threading.Lock()
 
@@ -288,22 +303,10 @@ def copy_checkpoint(
 
     try:
         with source.open(step) as ckpt:
-            for i in index:
-                ckpt.reader(i)  # open and size-check every source shard before writing anything
-            for name, shard in zip(names, manifest.shards):  # one by one: if an open fails, those open are aborted
-                writers.append(dst.open_writer(f"{prefix}/{name}", size_hint=shard.size))
-
-            def transfer(chunk: _Chunk, view: memoryview) -> None:
-                ckpt.reader(index[chunk.shard]).read_into(chunk.offset, view)
-                _check(view, chunk, manifest, src_location)
-                writers[chunk.shard].write_at(chunk.offset, view)
-                advance(chunk.length)
-
+            _open_writers(ckpt, index, dst, prefix, names, manifest, writers)
             encodings: list[Encoding | None] = [None] * len(manifest.shards)
             if compress is None:
-                _Pump(pool, nbuffers, manifest.chunk_bytes).run(chunks, transfer)
-                for writer, shard in zip(writers, manifest.shards):
-                    writer.finish(shard.size)
+                _write_plain(ckpt, index, manifest, writers, pool, nbuffers, src_location, advance)
             else:
                 encodings = list(
                     _write_encoded(
@@ -328,11 +331,7 @@ def copy_checkpoint(
             refs.check_present()
         commit.commit(prefix, step, data)
     except BaseException:
-        for writer in writers:
-            try:
-                writer.abort()
-            except Exception:
-                log.warning("could not discard %s after a failed copy", writer.key, exc_info=True)
+        _discard(writers)
         try:
             commit.abort(prefix)
         except Exception:
@@ -354,27 +353,21 @@ def copy_checkpoint(
 
 
 def copy_shards(
-    src: Storage,
+    src: Catalog,
     dst: Storage,
     manifest: Manifest,
     prefix: str,
     shards: Sequence[int],
     *,
     executor: Executor,
+    io_threads: int,
     buffer_bytes: int | None = None,
 ) -> dict[str, int]:
-    """Copy some shards of the committed checkpoint ``manifest`` describes, verified, into ``prefix`` on
-    ``dst``, without a commit: one node's part of a checkpoint whose other shards other processes copy into
-    the same attempt (partdrain.py). Each shard is durable on ``dst`` when this returns.
-
-    Args:
-        src: where the checkpoint is committed (it may hold only these shards).
-        dst: where to copy them.
-        manifest: the checkpoint's manifest, as committed on ``src``.
-        prefix: the attempt prefix on ``dst`` (from ``commit_for(dst).begin``).
-        shards: indices into ``manifest.shards``.
-        executor: the pool that moves the chunks.
-        buffer_bytes: memory for chunk buffers (default 256 MiB; at least two chunks are used).
+    """Copy the shards ``shards`` (indices) of the committed checkpoint ``manifest`` of ``src`` (a catalog, which
+    may hold only these shards), verified, into the attempt ``prefix`` on ``dst`` (from ``commit_for(dst).begin``),
+    without a commit: one node's part of a checkpoint whose other shards other processes copy into the same
+    attempt (partdrain.py). The transfer of :func:`copy_checkpoint`, on ``executor`` (``io_threads`` threads)
+    with ``buffer_bytes`` as there; each shard is durable on ``dst`` when this returns.
 
     Returns:
         The destination name (single component, as :func:`destination_names`) -> size of each shard written.
@@ -383,38 +376,54 @@ def copy_shards(
         CorruptCheckpointError: a source chunk failed its checksum, or a shard has the wrong size.
         StorageError: I/O on either side failed. What this call wrote is removed first.
     """
-    names = destination_names(manifest)
-    chosen = set(shards)
-    budget = buffer_bytes if buffer_bytes is not None else DEFAULT_BUFFER_BYTES
-    nbuffers = max(2, budget // manifest.chunk_bytes)
-    source = Catalog(src)
-    where = source.location(manifest.step)
-    writers: dict[int, BlobWriter] = {}
+    chosen = sorted(set(shards))
+    every = destination_names(manifest)
+    names = [every[i] for i in chosen]
+    work = cut(manifest, chosen)
+    writers: list[BlobWriter] = []
     try:
-        with source.open(manifest.step) as ckpt:
-            for index in sorted(chosen):
-                ckpt.reader(index)  # open and size-check every source shard before writing anything
-            for index in sorted(chosen):
-                writers[index] = dst.open_writer(f"{prefix}/{names[index]}", size_hint=manifest.shards[index].size)
-
-            def transfer(chunk: _Chunk, view: memoryview) -> None:
-                ckpt.reader(chunk.shard).read_into(chunk.offset, view)
-                _check(view, chunk, manifest, where)
-                writers[chunk.shard].write_at(chunk.offset, view)
-
-            _Pump(executor, nbuffers, manifest.chunk_bytes).run(
-                [c for c in _chunks(manifest) if c.shard in chosen], transfer
-            )
-            for index, writer in writers.items():
-                writer.finish(manifest.shards[index].size)
+        with src.open(manifest.step) as ckpt:
+            _open_writers(ckpt, chosen, dst, prefix, names, work, writers)
+            nbuffers = _buffers(io_threads, buffer_bytes, work.chunk_bytes)
+            _write_plain(ckpt, chosen, work, writers, executor, nbuffers, src.location(manifest.step), lambda n: None)
     except BaseException:
-        for writer in writers.values():
-            try:
-                writer.abort()
-            except Exception:
-                log.warning("could not discard %s after a failed copy", writer.key, exc_info=True)
+        _discard(writers)
         raise
-    return {names[i]: manifest.shards[i].size for i in sorted(chosen)}
+    return {name: shard.size for name, shard in zip(names, work.shards)}
+
+
+def _open_writers(ckpt: OpenCheckpoint, index: Sequence[int], dst: Storage, prefix: str, names: Sequence[str],
+                  manifest: Manifest, writers: list[BlobWriter]) -> None:  # fmt: skip
+    """Open (and size-check) the source shards ``index`` before writing anything, then a writer for each of
+    ``manifest``'s shards into ``writers``, one by one: if an open fails, those open are there to discard."""
+    for i in index:
+        ckpt.reader(i)
+    for name, shard in zip(names, manifest.shards):
+        writers.append(dst.open_writer(f"{prefix}/{name}", size_hint=shard.size))
+
+
+def _write_plain(ckpt: OpenCheckpoint, index: Sequence[int], manifest: Manifest, writers: Sequence[BlobWriter],
+                 pool: Executor, nbuffers: int, where: str, advance: Callable[[int], None]) -> None:  # fmt: skip
+    """Copy every chunk of ``manifest`` (shard k read from the source's shard ``index[k]``), each checked
+    against its CRC-32C before it is written, then finish every shard."""
+
+    def transfer(chunk: _Chunk, view: memoryview) -> None:
+        ckpt.reader(index[chunk.shard]).read_into(chunk.offset, view)
+        _check(view, chunk, manifest, where)
+        writers[chunk.shard].write_at(chunk.offset, view)
+        advance(chunk.length)
+
+    _Pump(pool, nbuffers, manifest.chunk_bytes).run(_chunks(manifest), transfer)
+    for writer, shard in zip(writers, manifest.shards):
+        writer.finish(shard.size)
+
+
+def _discard(writers: Iterable[BlobWriter]) -> None:
+    for writer in writers:
+        try:
+            writer.abort()
+        except Exception:
+            log.warning("could not discard %s after a failed copy", writer.key, exc_info=True)
 
 
 def _existing(dst: Storage, step: int) -> Manifest | None:

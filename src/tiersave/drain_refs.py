@@ -27,13 +27,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 from concurrent.futures import Executor
 from typing import Protocol
 
 from .autocompress import AutoCompress
 from .catalog import Catalog
-from .drain import CopyResult, copy_checkpoint
+from .drain import CopyResult, copy_checkpoint, cut
 from .engine.codec import require_codec
 from .errors import CorruptCheckpointError, ObjectNotFoundError
 from .format.layout import MANIFEST_NAME, step_dirname
@@ -98,15 +97,7 @@ class ShardRefs:
                     holder = shard.step if shard.step is not None else base.step  # references never chain
                     self.refs[i] = dataclasses.replace(shard, step=holder)
         self.copied = [i for i in range(len(manifest.shards)) if i not in self.refs]
-        position = {old: new for new, old in enumerate(self.copied)}
-        tensors = {
-            n: dataclasses.replace(t, shard=position[t.shard])
-            for n, t in manifest.tensors.items()
-            if t.shard in position
-        }
-        self.work = dataclasses.replace(
-            manifest, shards=tuple(manifest.shards[i] for i in self.copied), tensors=tensors
-        )
+        self.work = cut(manifest, self.copied)
 
     @property
     def referenced_bytes(self) -> int:
@@ -164,7 +155,10 @@ class TierOptions(Protocol):
 
 
 class DrainTier(Protocol):
-    """What a drain reads of a ``TierRuntime``."""
+    """What a drain reads of a ``TierRuntime`` (and ``warned_unhashed``, which it sets: whether this tier's
+    drains already warned that the source has no content hashes, so that it says so once per tier)."""
+
+    warned_unhashed: bool
 
     @property
     def name(self) -> str: ...
@@ -180,34 +174,25 @@ class DrainTier(Protocol):
     def spec(self) -> TierOptions: ...
 
 
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def _warn_once(tier: DrainTier, message: str) -> None:
-    with _warned_lock:
-        if tier.storage.uri in _warned:
-            return
-        _warned.add(tier.storage.uri)
-    log.warning("tier %s (%s): %s", tier.name, tier.storage.uri, message)
-
-
 def drain_to(tier: DrainTier, source: Catalog, step: int) -> CopyResult:
-    """Copy committed ``step`` from ``source`` (the first tier's catalog, whose manifests are cached) to ``tier``
-    with its compression and, on an incremental tier, referencing the shards equal to the tier's newest step
-    before ``step`` (pinned until the drain ends)."""
-    run = functools.partial(copy_checkpoint, source.storage, tier.storage, step, if_exists="skip", executor=tier.copier)
+    """Copy committed ``step`` from ``source`` (the first tier's catalog, whose manifests are cached: the drain
+    parses none) to ``tier`` with its compression and, on an incremental tier, referencing the shards equal to the
+    tier's newest step before ``step`` (pinned until the drain ends). Runs on the tier's drain thread."""
+    run = functools.partial(copy_checkpoint, source, tier.storage, step, if_exists="skip", executor=tier.copier)
     base: Manifest | None = None
     try:
         if tier.spec.incremental:
             older = [s for s in tier.catalog.steps() if s < step]
             base = tier.catalog.pin(older[-1]) if older else None
             manifest = source.manifest(step)
-            if not any(s.content for s in manifest.shards):
-                _warn_once(
-                    tier,
-                    f"step {step} has no content hashes, so drains to this incremental tier are full copies; give "
-                    "the Checkpointer incremental=True so that its saves hash their shards",
+            if not any(s.content for s in manifest.shards) and not tier.warned_unhashed:
+                tier.warned_unhashed = True  # once per tier of a Checkpointer: the same is true of every drain
+                log.warning(
+                    "tier %s (%s): step %d has no content hashes, so drains to this incremental tier are full "
+                    "copies; give the Checkpointer incremental=True so that its saves hash their shards",
+                    tier.name,
+                    tier.storage.uri,
+                    step,
                 )
             chosen = None if wants_full(base, tier.spec.full_every) else base
             run = functools.partial(run, refs=ShardRefs(tier.storage, manifest, chosen))

@@ -50,9 +50,10 @@ def chunk_bytes() -> int:
 
 
 def leftover_grace_s() -> int:
-    """Seconds after its newest object or upload an object-store attempt of another host (whose writer
-    this host cannot ask about) counts as abandoned and is removed by the retention after a commit
-    (default one day: far longer than any save takes, short enough that space comes back)."""
+    """Seconds after its newest object or upload an attempt of another host (whose writer this host cannot ask
+    about: an object store's, or a shared file system's temporary directory) counts as abandoned and is removed
+    by the retention after a commit (default one day: far longer than any save takes, short enough that space
+    comes back)."""
     return int_env(_LEFTOVER_GRACE_S, 86_400, 1, 10 * 365 * 86_400)
 
 

@@ -17,7 +17,7 @@ Scope: the lease and deletion records of one root (their names, writing, renewin
 removing expired ones), the one renewal thread of a process, and the deletion of one committed checkpoint
 (un-commit first) that retention runs under a deletion record. Anti-scope: what retention deletes and how
 (catalog.py decides and deletes under :meth:`LeaseStore.deleting`), the in-process protection of steps being
-read or drained (tiers.py ``Protection``, no I/O), the writer lock (storage/lock.py, whose ``LockHolder``
+read or drained (references.py ``Protection``, no I/O), the writer lock (storage/lock.py, whose ``LockHolder``
 record a lease reuses).
 
 Torch-free, so ``tiersave verify``/``export``/``copy`` lease what they read on any machine.

@@ -13,12 +13,17 @@ that node's memory only, so no single process can copy a checkpoint to a later (
   whose group the training thread votes on); then a "part durable" record (``part-node-<n>.json``, one atomic
   put) names the shards and sizes written, or the error that stopped the node.
 - Commit (rank 0's drain, after its own part): it waits for every other node's record, within the
-  coordination timeout plus a transfer allowance; a node that reports an error or does not report fails the
-  drain with an error naming it; otherwise every shard of the global manifest must be reported, with its size,
-  and the manifest is committed with the tier's own protocol (rename, or a create-only put). A failed attempt
-  is removed by rank 0, and again after the tier's next commit (a node that was only slow may have written
-  to it meanwhile; by then every node has finished it).
-- Rank 0 runs the tier's retention after each commit; the other nodes never delete anything there.
+  coordination timeout plus a transfer allowance (one listing of the attempt per round, backing off; ``close()``
+  ends the wait at once); a node that reports an error or does not report fails the drain with an error naming
+  it; otherwise every shard of the global manifest must be reported with its size, and be on the tier at that
+  size (a record proves nothing about the bytes), before the manifest is committed with the tier's own protocol
+  (rename, or a create-only put). A failed attempt, even one rank 0 failed before touching (its name is
+  derived, not stored), is removed by rank 0, and again after the tier's next commit (a node that was only slow
+  may have written to it meanwhile; by then every node has finished it). An attempt rank 0 never got to remove
+  (its process died) carries rank 0's pid and host like any attempt: invisible (no manifest), and removed by the
+  leftover cleanup of retention or ``tiersave prune`` (docs/tiers.md).
+- Rank 0 runs the tier's retention after each commit, before it decides the next step for that tier (so its
+  leftover pass never meets an attempt the nodes are writing); the other nodes never delete anything there.
 
 Scope: the cadence decision, the per-node part copy, the records and the global commit of a later tier of a
 node-local memory tier. Anti-scope: moving and checking bytes (drain.py), the save and its vote (saving.py),
@@ -40,9 +45,12 @@ from typing import TYPE_CHECKING, Any
 
 from ._crash import crashpoint
 from .catalog import CheckpointInfo
+from .collective import check_shards_visible
+from .commit import attempt_dirname
 from .drain import copy_shards, destination_names
 from .engine.pool import DaemonThreadPool
 from .errors import (
+    ClosedError,
     ConfigError,
     CorruptCheckpointError,
     DistributedCheckpointError,
@@ -52,7 +60,7 @@ from .errors import (
     TiersaveError,
 )
 from .events import background_warning
-from .format.layout import MANIFEST_NAME, step_dirname
+from .format.layout import MANIFEST_NAME, step_dirname, tmp_dirname
 from .format.manifest import Manifest
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,7 +73,7 @@ __all__ = ["PartDrains", "of", "read_record", "record_name"]
 
 RECORD_PREFIX = "part-node-"
 _RECORD_MAX_BYTES = 1 << 20
-_POLL_S = 0.2
+_POLL_S = (0.05, 1.5, 2.0)  # rank 0's wait for the records: first pause, growth per round, longest pause
 _DRAIN_GBPS = 0.05  # the slowest part drain allowed before rank 0 gives up on a node (on top of the timeout)
 
 
@@ -117,20 +125,14 @@ class PartDrains:
                     f"{len(self.ranks)} nodes (each node drains its own part); leave it out"
                 )
         self._pools: dict[str, DaemonThreadPool] = {}
-        for tier in self.tiers:
-            if tier.drainer is not None:  # the chain's own drain would copy rank 0's node's part only
-                tier.drainer.shutdown(wait=False)
-                tier.drainer = None
+        for tier in self.tiers:  # the chain's own drain would copy rank 0's node's part only
+            tier.drained_elsewhere(copies=self.leader)
             if self.leader:
                 self._pools[tier.name] = DaemonThreadPool(1, f"tiersave-part-{tier.name}")
-            elif tier.copier is not None:
-                tier.copier.shutdown(wait=False)
-                tier.copier = None
         self._lock = threading.Lock()
+        self._closing = threading.Event()  # set by close(): rank 0 stops waiting for the nodes' records
         self._decided: dict[int, builtins.list[str]] = {}  # step -> tiers to drain it to (until after_commit)
-        self._count = dict.fromkeys((t.name for t in self.tiers), 0)
-        self._last_sent: dict[str, float] = {}
-        self._busy: dict[str, Future[CheckpointInfo | None]] = {}  # rank 0: each tier's drain in flight
+        self._busy: dict[str, Future[None]] = {}  # rank 0: each tier's drain task (its retention included)
         self._aborted: dict[str, builtins.list[str]] = {}  # rank 0: failed attempts a slow node may still write to
 
     # -- the decision (commit thread) --------------------------------------------------------------
@@ -141,13 +143,7 @@ class PartDrains:
         now = time.monotonic()
         chosen: builtins.list[str] = []
         for tier in self.tiers:
-            self._count[tier.name] += 1
-            last = self._last_sent.get(tier.name)
-            if tier.spec.every_s is not None:
-                due = last is None or now - last >= tier.spec.every_s
-            else:
-                due = self._count[tier.name] % tier.spec.every == 0
-            if not due:
+            if not tier.due(now):
                 continue
             busy = self._busy.get(tier.name)
             if busy is not None and not busy.done():
@@ -167,7 +163,7 @@ class PartDrains:
                 )
                 continue
             chosen.append(tier.name)
-            self._last_sent[tier.name] = now
+            tier.last_sent_mono = now
         with self._lock:
             self._decided[step] = chosen
         return {"tiers": chosen}
@@ -205,34 +201,51 @@ class PartDrains:
             handle.tiers[tier.name] = future
             chain.protection.hold(0, handle.step)  # the memory tier's retention must not delete the source
             tier.sent += 1
-            tier.last_sent_mono = time.monotonic()
-            if self.coordinator:
-                self._busy[tier.name] = future
             try:
-                self._pools[name].submit(self._drain, tier, handle.step, future)
+                task = self._pools[name].submit(self._drain, tier, handle.step, future)
             except BaseException as exc:  # never leave the handle's tier (or rank 0's next decision) waiting
                 chain.protection.release(0, handle.step)
                 self._busy.pop(tier.name, None)
                 future.set_exception(exc)
                 raise
+            if self.coordinator:  # the task, not the handle's future: busy until its retention has run too
+                self._busy[tier.name] = task
 
     # -- the drain (each tier's drain thread, node leaders) ------------------------------------------
 
+    def _token(self, tier: TierRuntime, step: int) -> str:
+        return self.collective.derived_token(f"drain/{tier.name}/{step}")
+
     def _prefix(self, tier: TierRuntime, step: int) -> str:
-        """The attempt prefix every node derives alike for ``step`` on ``tier``."""
-        return tier.commit.begin(step, self.collective.derived_token(f"drain/{tier.name}/{step}"))
+        """The attempt prefix every node derives alike for ``step`` on ``tier`` (checked not committed there)."""
+        return tier.commit.begin(step, self._token(tier, step))
+
+    def attempt(self, tier: TierRuntime, step: int) -> str:
+        """The name of that prefix, with no I/O: what rank 0 removes when it failed before :meth:`_prefix` (the
+        other nodes may have written there all the same). The names of ``commit.py``'s ``begin``."""
+        token = self._token(tier, step)
+        if tier.storage.capabilities.atomic_rename:
+            return tmp_dirname(step, token)
+        return f"{step_dirname(step)}/{attempt_dirname(token)}"
 
     def _drain(self, tier: TierRuntime, step: int, future: Future[CheckpointInfo | None]) -> None:
         started, started_wall = time.perf_counter(), time.time()
         prefix: str | None = None
         try:
             try:
-                manifest = self.chain.first.catalog.manifest(step)
+                crashpoint("part_drain_start")
                 prefix = self._prefix(tier, step)
+                manifest = self.chain.first.catalog.manifest(step)
                 mine = [i for i, s in enumerate(manifest.shards) if s.rank in self.ranks[self.node]]
                 assert tier.copier is not None
                 written = copy_shards(
-                    self.chain.first.storage, tier.storage, manifest, prefix, mine, executor=tier.copier
+                    self.chain.first.catalog,
+                    tier.storage,
+                    manifest,
+                    prefix,
+                    mine,
+                    executor=tier.copier,
+                    io_threads=tier.io_threads,
                 )
                 crashpoint("part_drain_written")
                 if not self.coordinator:
@@ -286,13 +299,13 @@ class PartDrains:
     ) -> None:
         """A node's part (or rank 0's commit) failed: another node tells rank 0 with its record; rank 0 removes
         the attempt. Either way the step is not on ``tier`` and a warning says why."""
-        if self.coordinator:
-            if prefix is not None:
-                self._aborted.setdefault(tier.name, []).append(prefix)
-                try:
-                    tier.commit.abort(prefix)
-                except Exception as cleanup:
-                    background_warning(f"could not remove {prefix} from {tier.storage.uri}: {cleanup}")
+        if self.coordinator:  # even before rank 0 began it: the other nodes may have written their parts there
+            where = prefix if prefix is not None else self.attempt(tier, step)
+            self._aborted.setdefault(tier.name, []).append(where)
+            try:
+                tier.commit.abort(where)
+            except Exception as cleanup:
+                background_warning(f"could not remove {where} from {tier.storage.uri}: {cleanup}")
         else:
             self._report_error(tier, step, str(exc), prefix)
         self.chain.log(
@@ -339,29 +352,63 @@ class PartDrains:
                     file=name,
                 )
             shards.append(dataclasses.replace(shard, file=tier.commit.shard_file(prefix, name)))
+        whole = dataclasses.replace(manifest, shards=tuple(shards))
+        self._check_visible(tier, prefix, whole)
         for node in reports:  # the records are not part of the checkpoint
             if node != self.node:
                 tier.storage.delete(f"{prefix}/{record_name(node)}")
-        data = dataclasses.replace(manifest, shards=tuple(shards)).to_json()
+        data = whole.to_json()
         location = f"{tier.storage.uri.rstrip('/')}/{step_dirname(step)}"
         committed = Manifest.parse(data, path=f"{location}/{MANIFEST_NAME}", expect_step=step)
         tier.commit.commit(prefix, step, data)
         return CheckpointInfo.from_manifest(committed, location)
 
+    def _check_visible(self, tier: TierRuntime, prefix: str, whole: Manifest) -> None:
+        """Every node's shards are on the tier at their sizes, as the commit will name them: a record says what a
+        node wrote, not that it is still there (deleted, truncated, or written where rank 0 does not look).
+
+        Raises:
+            DistributedCheckpointError: naming the node, its ranks and the file.
+        """
+        for node, ranks in sorted(self.ranks.items()):
+            try:
+                check_shards_visible(tier.storage, prefix, whole, ranks)
+            except CorruptCheckpointError as exc:
+                message = (
+                    f"the drain of step {whole.step} to tier {tier.name} ({tier.storage.uri}) found node {node}'s "
+                    f"part incomplete: shard {exc.file} of its ranks {sorted(ranks)} is missing or has another size "
+                    "than its record gives it; nothing is committed and the attempt is discarded"
+                )
+                raise DistributedCheckpointError(message, {r: exc for r in sorted(ranks)}) from exc
+
+    def _reported(self, tier: TierRuntime, prefix: str) -> set[int]:
+        """The nodes whose record is in the attempt now: one listing per round, not one read per node."""
+        nodes = set()
+        for info in tier.storage.list(prefix):
+            name = info.key.rsplit("/", 1)[-1]
+            digits = name[len(RECORD_PREFIX) : -len(".json")]
+            if name.startswith(RECORD_PREFIX) and name.endswith(".json") and digits.isdigit():
+                nodes.add(int(digits))
+        return nodes
+
     def _wait_for_parts(self, tier: TierRuntime, step: int, prefix: str, nbytes: int) -> dict[int, dict[str, int]]:
-        """Each other node's reported shards, once all have reported (polling the tier).
+        """Each other node's reported shards, once all have reported: the attempt is listed, less and less
+        often, until every record is there, the time allowed is up, or :meth:`close` is called.
 
         Raises:
             DistributedCheckpointError: a node reported an error, or did not report in time (naming it).
+            ClosedError: the Checkpointer was closed meanwhile.
         """
         limit = self.timeout_s + nbytes / (_DRAIN_GBPS * 1e9)
         deadline = time.monotonic() + limit
         pending = sorted(n for n in self.ranks if n != self.node)
         got: dict[int, dict[str, int]] = {}
+        pause, growth, longest = _POLL_S
         while True:
-            for node in list(pending):
+            reported = self._reported(tier, prefix)
+            for node in [n for n in pending if n in reported]:
                 record = read_record(tier.storage, prefix, node, step)
-                if record is None:
+                if record is None:  # listed, then gone: only rank 0 deletes records, so not yet visible to a read
                     continue
                 if isinstance(record, str):
                     raise DistributedCheckpointError(
@@ -373,7 +420,8 @@ class PartDrains:
                 pending.remove(node)
             if not pending:
                 return got
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 missing = ", ".join(f"node {n} (ranks {sorted(self.ranks[n])})" for n in pending)
                 message = (
                     f"the drain of step {step} to tier {tier.name} ({tier.storage.uri}) got no part from {missing} "
@@ -383,7 +431,12 @@ class PartDrains:
                 raise DistributedCheckpointError(
                     message, {r: SaveTimeoutError(message) for n in pending for r in sorted(self.ranks[n])}
                 )
-            time.sleep(_POLL_S)
+            if self._closing.wait(min(pause, left)):
+                raise ClosedError(
+                    f"the drain of step {step} to tier {tier.name} ({tier.storage.uri}) was abandoned: the "
+                    f"Checkpointer was closed while rank 0 waited for node(s) {pending}; the attempt is discarded"
+                )
+            pause = min(pause * growth, longest)
 
     # -- the Companion protocol -----------------------------------------------------------------------
 
@@ -391,6 +444,9 @@ class PartDrains:
         return list(self._pools.values())
 
     def close(self, wait: bool = True) -> None:
+        """Stop: a wait for the nodes' records ends at once (the Checkpointer waited for the drains first, as long
+        as it was asked to); with ``wait``, the drain threads are joined."""
+        self._closing.set()
         for pool in self._pools.values():
             pool.shutdown(wait=wait)
 

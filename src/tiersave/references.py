@@ -9,8 +9,12 @@ kill at any instant of retention leaves every kept checkpoint whole.
 With many ranks, each rank references its own shards of the previous committed checkpoint (:func:`rank_base`):
 the same rank of a job of the same size; a checkpoint saved by another number of ranks is no base.
 
-Scope: which steps retention may delete given the references, pins of unfinished saves, the full/incremental
-choice of one save and the part of a base one rank may reference. Anti-scope: listing and deleting
+Retention of a Checkpointer's tiers also spares the steps its drains and restores are reading
+(:class:`Protection`, in-process, per tier).
+
+Scope: which steps retention may delete given the references, pins of unfinished saves, the steps being read
+(:class:`Protection`), the full/incremental choice of one save and the part of a base one rank may reference.
+Anti-scope: listing and deleting
 (catalog.py), the per-piece hashing and skipping (engine/increment.py), the format (format/manifest.py).
 """
 
@@ -178,3 +182,27 @@ class Pins:
         finally:
             with self._lock:
                 self._deleting = None
+
+
+class Protection:
+    """Steps that retention must not delete, per tier: being drained from, or being restored."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, Counter[int]] = {}
+
+    def hold(self, tier: int, step: int) -> None:
+        with self._lock:
+            self._held.setdefault(tier, Counter())[step] += 1
+
+    def release(self, tier: int, step: int) -> None:
+        with self._lock:
+            counter = self._held.get(tier)
+            if counter is not None:
+                counter[step] -= 1
+                if counter[step] <= 0:
+                    del counter[step]
+
+    def steps(self, tier: int) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._held.get(tier, ()))

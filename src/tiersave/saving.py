@@ -361,8 +361,9 @@ class Saver:
             p.job.abort()
             return self._failed(p, _vote_no(self.group, p.request.step, exc) if self.group is not None else exc)
         stats.write_s = time.perf_counter() - p.started - stats.flatten_s
-        if p.job.increment is not None:
+        if p.job.increment is not None:  # compared: found unchanged in the staging memory, so never hashed
             stats.extra["referenced_bytes"] = p.job.increment.referenced_bytes
+            stats.extra["compared_bytes"] = p.job.increment.compared_bytes
         before = stats.extra.pop("io_before", None)
         after = _io_bytes(self.storage)
         if before is not None and after is not None:  # bytes per I/O path (direct, buffered...)

@@ -35,7 +35,6 @@ import math
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -52,6 +51,7 @@ from .errors import CheckpointNotFoundError, ConfigError, FormatError, TiersaveE
 from .events import EVENTS_NAME, EventLog, background_warning
 from .format.manifest import Manifest
 from .policy import KeepLast, RetentionPolicy, parse_policy
+from .references import Protection
 from .storage import open_storage
 from .storage.base import Storage
 from .units import ordinal
@@ -166,6 +166,7 @@ class TierRuntime:
         self.widened_every = 1
         self.last_drain_s = 0.0
         self.skipped = 0
+        self.warned_unhashed = False  # drain_refs.py: said once that the source has no content hashes
         self.busy_streak = 0  # consecutive due saves that found the drain busy
         self.behind: int | None = None  # newest due save skipped while busy: drained as soon as the tier is idle
         self.busy: Future[object] | None = None
@@ -202,6 +203,16 @@ class TierRuntime:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.storage.uri}")
         return steps[-1]
 
+    def drained_elsewhere(self, *, copies: bool) -> None:
+        """Another owner (partdrain.py) runs this tier's drains: stop its drain thread, and its copy pool too
+        when this process copies nothing (``copies`` False)."""
+        stopped = (self.drainer, None if copies else self.copier)
+        self.drainer = None
+        self.copier = self.copier if copies else None
+        for pool in stopped:
+            if pool is not None:
+                pool.shutdown(wait=False)
+
     def shutdown(self, wait: bool) -> None:
         for pool in (self.drainer, self.copier):
             if pool is not None:
@@ -217,30 +228,6 @@ class Companion(Protocol):
     def pools(self) -> builtins.list[DaemonThreadPool]: ...
 
     def close(self, wait: bool = True) -> None: ...
-
-
-class Protection:
-    """Steps that retention must not delete, per tier: being drained from, or being restored."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held: dict[int, Counter[int]] = {}
-
-    def hold(self, tier: int, step: int) -> None:
-        with self._lock:
-            self._held.setdefault(tier, Counter())[step] += 1
-
-    def release(self, tier: int, step: int) -> None:
-        with self._lock:
-            counter = self._held.get(tier)
-            if counter is not None:
-                counter[step] -= 1
-                if counter[step] <= 0:
-                    del counter[step]
-
-    def steps(self, tier: int) -> frozenset[int]:
-        with self._lock:
-            return frozenset(self._held.get(tier, ()))
 
 
 def check_chain(tiers: list[TierRuntime]) -> None:
@@ -418,7 +405,7 @@ class TierChain:
             }
         )
         for tier in self.tiers[1:]:
-            if tier.due(now):
+            if tier.drainer is not None and tier.due(now):  # else drained elsewhere: the owner counts the saves
                 self._send(tier, handle, now)
         handle._set_result(info)
         # retention, and the leftovers of dead writers of this host (a killed save's temporary files)

@@ -18,11 +18,15 @@ if "TIERSAVE_TEST_SHM" in os.environ:  # not when the test module imports state(
     os.environ["TIERSAVE_SHM_DIR"] = f"{os.environ['TIERSAVE_TEST_SHM']}/node{os.environ.get('GROUP_RANK', '0')}"
 if os.environ.get("GROUP_RANK") == "1" and os.environ.get("TIERSAVE_TEST_NODE1_CRASH"):  # one node of two dies
     os.environ["TIERSAVE_CRASHPOINT"] = os.environ["TIERSAVE_TEST_NODE1_CRASH"]
+if os.environ.get("GROUP_RANK") == "0" and os.environ.get("TIERSAVE_TEST_RANK0_CRASH"):  # rank 0's node dies
+    os.environ["TIERSAVE_CRASHPOINT"] = os.environ["TIERSAVE_TEST_RANK0_CRASH"]
 
 from ckpt_workers import run_rank
 from replica_workers import same, state
 
 import tiersave
+from tiersave import partdrain
+from tiersave.errors import TransientStorageError
 
 TIMEOUT_S = float(os.environ.get("TIERSAVE_DIST_TIMEOUT", "10"))
 LATER = os.environ.get("TIERSAVE_TEST_LATER", "/nonexistent")
@@ -54,13 +58,77 @@ def saves(ckpt: tiersave.Checkpointer, rank: int, rec: dict[str, Any]) -> None:
                 rec["error_after_s"] = time.monotonic() - started
 
 
+def inject_faults() -> None:
+    """Faults of the drains, in this process (the code under test is unchanged otherwise).
+
+    TIERSAVE_TEST_RANK0_PREFIX_FAIL=S: rank 0 fails the drain of step S before it derives the attempt's prefix
+    (the tier did not answer), while node 1 copies its part there all the same.
+    TIERSAVE_TEST_NODE1_LOSE=S:how: node 1 writes its part of step S, then, before its record, one of its shards
+    is lost (``delete``) or cut short by a byte (``truncate``, a local tier): the record's sizes are a lie."""
+    fail = os.environ.get("TIERSAVE_TEST_RANK0_PREFIX_FAIL")
+    if fail and os.environ.get("GROUP_RANK") == "0":
+        derive = partdrain.PartDrains._prefix
+
+        def failing(self: Any, tier: Any, step: int) -> str:
+            if step == int(fail):
+                raise TransientStorageError(f"injected: the tier did not answer for step {step}")
+            return derive(self, tier, step)
+
+        partdrain.PartDrains._prefix = failing  # type: ignore[method-assign]
+    lose = os.environ.get("TIERSAVE_TEST_NODE1_LOSE")
+    if lose and os.environ.get("GROUP_RANK") == "1":
+        lose_step, _, how = lose.partition(":")
+        put = partdrain.PartDrains._put
+
+        def losing(self: Any, tier: Any, prefix: str, record: dict[str, Any]) -> None:
+            if record.get("step") == int(lose_step) and "shards" in record:
+                name = sorted(record["shards"])[0]
+                if how == "truncate":
+                    path = Path(tier.storage.root) / prefix / name
+                    os.truncate(path, path.stat().st_size - 1)
+                else:
+                    tier.storage.delete(f"{prefix}/{name}")
+            put(self, tier, prefix, record)
+
+        partdrain.PartDrains._put = losing  # type: ignore[method-assign]
+
+
 def drain(rank: int, rec: dict[str, Any]) -> None:
     """``saves``, then a collective close. TIERSAVE_TEST_NODE1_BLOCK_STEP: node 1 cannot commit that step."""
     blocked = os.environ.get("TIERSAVE_TEST_NODE1_BLOCK_STEP")
     if blocked and os.environ.get("GROUP_RANK") == "1":  # a directory in the way of the commit's rename
         (Path(os.environ["TIERSAVE_SHM_DIR"]) / "run" / f"step-{int(blocked):010d}").mkdir(parents=True)
+    inject_faults()
     with checkpointer() as ckpt:
         saves(ckpt, rank, rec)
+
+
+def abandon(rank: int, rec: dict[str, Any]) -> None:
+    """Two saves; node 1 dies during its part of step 2's drain (TIERSAVE_TEST_NODE1_CRASH), so rank 0's drain
+    waits for a record that never comes (for the long coordination timeout), until rank 0 closes its
+    Checkpointer with a short timeout: record how long close() took and how long until the drain ended."""
+    ckpt = checkpointer()
+    handles = [ckpt.save_async(step, state(rank, step)) for step in (1, 2)]
+    for handle in handles:
+        handle.result(60)
+    future = handles[1].tiers["durable"]
+    if rank != 0:
+        future.exception(60)  # node 1 dies here, during its part
+        return
+    time.sleep(3)  # rank 0's own part is long written: its drain waits for node 1's record
+    rec["waiting"] = not future.done()
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        ckpt.close(timeout=1)
+    rec["close_s"] = time.monotonic() - started
+    try:
+        exc = future.exception(30)
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    except TimeoutError:
+        rec["error"] = "still waiting"
+    rec["ended_after_s"] = time.monotonic() - started
+    rec["exit_now"] = True
 
 
 def kill(rank: int, rec: dict[str, Any]) -> None:
@@ -108,7 +176,7 @@ def restore(rank: int, rec: dict[str, Any]) -> None:
     rec["consistent"] = same(live, state(rank, rec["step"]))
 
 
-SCENARIOS = {f.__name__: f for f in (drain, kill, burst, refused, restore)}
+SCENARIOS = {f.__name__: f for f in (drain, kill, abandon, burst, refused, restore)}
 
 
 def main() -> None:

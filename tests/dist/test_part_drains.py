@@ -185,3 +185,85 @@ def test_a_compressed_later_tier_is_refused_on_every_rank(launch, tmp_path):
         error = job.rank(r).get("error", "")
         assert error.startswith("ConfigError: compress= on tier durable is not supported after a memory tier"), error
     assert later.steps() == []
+
+
+def test_rank_0_failing_before_it_derives_the_prefix_still_removes_the_other_nodes_part(launch_torchrun, tmp_path):
+    """Rank 0's drain of step 4 fails before it derives the attempt's prefix (the tier did not answer), while
+    node 1 copies its part and writes its record there: rank 0 removes that attempt by its derived name, again
+    after the next commit, so nothing of step 4 is left on the tier and it never becomes visible."""
+    later = Later("local", tmp_path)
+    extra = {"TIERSAVE_TEST_STEPS": "6", "TIERSAVE_TEST_RANK0_PREFIX_FAIL": "4"}
+    job = ok(launch_torchrun("drain", 2, 1, script=SCRIPT, env=env(tmp_path, later.uri, **extra), deadline_s=120))
+    rec = job.rank(0)
+    assert rec["drains"]["4"].startswith("TransientStorageError: injected"), rec["drains"]
+    assert rec["drains"]["6"] == "committed 6"
+    assert job.rank(1)["drains"]["4"] == "ok"  # node 1 wrote its part of the attempt rank 0 never began
+    assert later.steps() == [2, 6]
+    assert later.leftovers() == []
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_rank_0_killed_before_its_drain_leaves_parts_invisible_and_the_leftover_cleanup_removes_them(
+    launch, tmp_path, kind
+):
+    """Rank 0's process dies as its drain of step 4 starts; node 1 copies its part there and reports it. What it
+    wrote is no checkpoint (step 4 is not listed), and the leftover cleanup of the next process on rank 0's host
+    (a retention pass, here ``Catalog.prune``) removes it: the attempt carries the dead rank 0's pid and host."""
+    later = Later(kind, tmp_path)
+    job = launch(
+        "kill",
+        2,
+        script=SCRIPT,
+        env={**env(tmp_path, later.uri, TIERSAVE_TEST_RANK0_CRASH="part_drain_start:2"), **later.env},
+        rank_env={r: {"GROUP_RANK": str(r), "LOCAL_RANK": "0"} for r in range(2)},
+        deadline_s=90,
+    )
+    assert 0 not in job.records  # rank 0 died
+    assert job.rank(1)["drains"] == {"2": "ok", "4": "ok"}
+    assert later.steps() == [2]  # invisible
+    left = later.leftovers()
+    assert left and any(RECORD_PREFIX in key for key in left), left  # node 1's part and record, orphaned
+    catalog = Catalog(later.storage)
+    assert [status for _, status in catalog.leftovers()] == ["dead"]
+    assert catalog.prune().leftovers_removed
+    assert later.leftovers() == [] and later.steps() == [2]
+    check_restores_on_any_world(later.storage, 2)
+
+
+@pytest.mark.parametrize(("kind", "how"), [("local", "truncate"), ("s3", "delete")])
+def test_a_part_whose_bytes_are_gone_after_its_record_fails_the_commit_naming_node_and_file(
+    launch_torchrun, tmp_path, kind, how
+):
+    """Node 1's record of step 4 gives the right sizes, but one of its shards was cut short or deleted before
+    rank 0's commit: rank 0 checks every shard on the tier before committing, fails the drain naming node 1 and
+    the file, and commits nothing."""
+    later = Later(kind, tmp_path)
+    extra = {"TIERSAVE_TEST_NODE1_LOSE": f"4:{how}", **later.env}
+    job = ok(launch_torchrun("drain", 2, 1, script=SCRIPT, env=env(tmp_path, later.uri, **extra), deadline_s=150))
+    rec = job.rank(0)
+    assert rec["drains"]["2"] == "committed 2"
+    failure = rec["drains"]["4"]
+    assert failure.startswith("DistributedCheckpointError: ") and "node 1's part incomplete" in failure, failure
+    assert "shard-00001" in failure and "rank 1: CorruptCheckpointError" in failure, failure
+    assert later.steps() == [2] and later.leftovers() == []
+
+
+def test_close_ends_rank_0s_wait_for_the_parts_at_once(launch, tmp_path):
+    """Node 1 dies during its part; rank 0's drain would wait for its record for the whole coordination timeout
+    (60 s here). ``close(timeout=1)`` returns after its second and ends that wait at once: the tier's future
+    fails with ClosedError and the attempt is removed."""
+    later = Later("local", tmp_path)
+    job = launch(
+        "abandon",
+        2,
+        script=SCRIPT,
+        env={**env(tmp_path, later.uri, TIERSAVE_TEST_NODE1_CRASH="part_drain_written:1"), "TIERSAVE_DIST_TIMEOUT": "60"},
+        rank_env={r: {"GROUP_RANK": str(r), "LOCAL_RANK": "0"} for r in range(2)},
+        deadline_s=120,
+    )
+    rec = job.rank(0)
+    assert rec["waiting"], rec
+    assert rec["close_s"] < 3, rec
+    assert rec["error"].startswith("ClosedError: "), rec
+    assert rec["ended_after_s"] < 5, rec
+    assert later.steps() == [] and later.leftovers() == []

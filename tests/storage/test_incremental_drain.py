@@ -176,6 +176,22 @@ def test_a_source_without_content_hashes_drains_full_with_a_reason(tmp_path, cap
     assert_same(restore(later, 3), state(3))
 
 
+def test_each_checkpointer_says_once_that_its_source_has_no_content_hashes(tmp_path, caplog):
+    """The reason is given once per tier of a Checkpointer, not once per process: a second Checkpointer draining
+    to the same tier says it again (its user may not have seen the first one's log)."""
+    later = LocalStorage(tmp_path / "later")
+    caplog.set_level(logging.WARNING, logger="tiersave.drain_refs")
+    small = {"w": torch.arange(4096, dtype=torch.float32)}
+    for run in (1, 2):
+        tiers = [tiersave.Tier(tmp_path / "a", name="a"), tiersave.Tier(later, incremental=True)]
+        with tiersave.Checkpointer(tiers=tiers) as c:
+            for step in (10 * run + 1, 10 * run + 2):
+                c.save(step, small).result()
+                assert c.wait(60)
+        reasons = [r.getMessage() for r in caplog.records if "no content hashes" in r.getMessage()]
+        assert len(reasons) == run, reasons
+
+
 def test_bad_options_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="incremental must be True or False"):
         tiersave.Tier(tmp_path, incremental="yes")

@@ -236,10 +236,19 @@ def _increment_line(m: Manifest) -> list[str]:
     if not any(s.content for s in m.shards):
         return []
     steps = ", ".join(map(str, sorted(m.referenced_steps))) or "-"
+    compared = _compared_bytes(m)
     return [
         f"  incremental: {human_bytes(m.stored_bytes - m.referenced_bytes)} written, "
         f"{human_bytes(m.referenced_bytes)} referenced (held by step {steps}); pieces hashed with {m.content_hash}"
+        + (f", {human_bytes(compared)} found unchanged in memory instead" if compared else "")
     ]
+
+
+def _compared_bytes(m: Manifest) -> int | None:
+    """Bytes the save found equal to its base's by comparing them in the staging memory (never hashed): the
+    ``compared_bytes`` of its statistics (the first rank's, for many ranks); None if it did not say."""
+    value = m.stats.get("compared_bytes")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _compression_line(m: Manifest) -> list[str]:
@@ -286,6 +295,7 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
         "written_bytes": m.stored_bytes - m.referenced_bytes,
         "referenced_bytes": m.referenced_bytes,
         "referenced_steps": sorted(m.referenced_steps),
+        "compared_bytes": _compared_bytes(m),
         "content_hash": m.content_hash if any(s.content for s in m.shards) else None,
         "file_bytes": m.file_bytes,
         "compression_ratio": round(m.stored_bytes / max(1, m.file_bytes), 4),
