@@ -49,6 +49,9 @@ PIECE_BYTES = 1 << 20
 just brought into the cache (this machine's L2 holds 1 MiB per core)."""
 
 
+_SMALL_COPY = 64 << 10
+
+
 def writes_buffered(storage: Storage) -> bool:
     """True when every write to ``storage`` goes through the page cache (a ``LocalStorage`` whose I/O policy
     decides buffered for writes); False for any other storage."""
@@ -166,12 +169,13 @@ class SourceWrite(StagedWrite):
         checksum each, write the group with one request."""
         view, base = self._buffer(u.padded)
         ctypes.memset(base, 0, u.padded)
-        plan, addresses, crcs, memmove = self.plan, self._addresses, self.crc1, small_memmove
+        plan, addresses, crcs, small, large = self.plan, self._addresses, self.crc1, small_memmove, ctypes.memmove
         nbytes, offsets = plan.nbytes, plan.offsets
         for i in range(u.tensor, u.end):
             n = nbytes[i]
             if n:
                 pos = offsets[i] - u.file_offset
-                memmove(base + pos, addresses[i], n)
+                # a small copy keeps the GIL (cheaper than handing it over); a large one lets the others run
+                (small if n < _SMALL_COPY else large)(base + pos, addresses[i], n)
                 crcs[i] = f"{crc32c_update(0, view[pos : pos + n]):08x}"
         self.writers[u.shard].write_at(u.file_offset, view[: u.padded])
