@@ -4,8 +4,9 @@ In one process, on one GPT-like state (600 fp32 tensors: model + two Adam moment
 order rotated every rep: ``Checkpointer(LocalStorage(DIR, io="buffered")).save`` (blocking, until durable)
 against one plain buffered ``write`` of the same bytes into one file + ``fsync``; and a blocking
 ``Checkpointer("mem://...").save`` against the same plain write into a file in ``/dev/shm`` (no ``fsync``:
-tmpfs). Prints one JSON line: the medians and ranges in ms, the staging time of the saves (``stage_s``: with
-the unstaged path, the time its writes took) and whether they were unstaged.
+tmpfs). Prints one JSON line: the medians and ranges in ms, the CPU time of the process (all its threads,
+the kernel's copies into the page cache included; the kernel's writeback threads not), the staging time of
+the saves (``stage_s``: with the unstaged path, the time its writes took) and whether they were unstaged.
 
 Meant to compare two versions of tiersave in the same minutes: run it alternately with each version's
 ``src/`` on ``PYTHONPATH``::
@@ -91,12 +92,15 @@ def main() -> int:
         ),
     }
     times: dict[str, list[float]] = {k: [] for k in methods}
+    cpu: dict[str, list[float]] = {k: [] for k in methods}  # CPU seconds of this process: less noisy under load
     load = [os.getloadavg()[0]]
     try:
         names = list(methods)
         for rep in range(args.reps):
             for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                c0 = time.process_time()
                 times[name].append(methods[name]())
+                cpu[name].append(time.process_time() - c0)
     finally:
         buffered.close()
         mem.close()
@@ -109,6 +113,7 @@ def main() -> int:
         "load": load,
         "ms": {k: round(statistics.median(v) * 1e3) for k, v in times.items()},
         "range_ms": {k: [round(min(v) * 1e3), round(max(v) * 1e3)] for k, v in times.items()},
+        "cpu_ms": {k: round(statistics.median(v) * 1e3) for k, v in cpu.items()},
         "stage_ms": {k: round(statistics.median(v) * 1e3) for k, v in stage.items()},
         "unstaged": unstaged,
     }

@@ -18,6 +18,7 @@ from tiersave import Checkpointer
 from tiersave.errors import StorageError
 from tiersave.storage.memory import MemoryStorage
 from tiersave.storage.posix import LocalStorage
+from tiersave.storage.posix.blobs import LocalBlobWriter
 from tiersave.testing.faults import Fault, FaultyStorage
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -40,6 +41,8 @@ def _state() -> dict[str, object]:
     tied = _random(5000, torch.float16, g)
     state: dict[str, object] = {
         "big_odd": _random(2 * MiB // 4 + 5, torch.float32, g),  # chunks of its own, a tail off the 4 KiB grid
+        # a group of medium tensors (sizes off the 4 KiB grid): written from where they lie, one pwritev
+        **{f"mid.{i}": _random(100_000 + 3 * i, torch.float32, g) for i in range(6)},
         "offset_view": base[1000:],  # a storage offset
         "strided": _random(1024 * 700, torch.float32, g).view(1024, 700).t(),  # not contiguous
         "conj": torch.complex(_random(300_000, torch.float32, g), _random(300_000, torch.float32, g)).conj(),
@@ -78,10 +81,21 @@ def _shards(root: Path, step: int) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(step_dir.iterdir()) if p.name != "manifest.json"}
 
 
-def test_blocking_buffered_save_makes_no_staging_copy_and_is_bit_exact(tmp_path: Path) -> None:
+def test_blocking_buffered_save_makes_no_staging_copy_and_is_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state = _state()
+    vectored: list[int] = []
+    real = LocalBlobWriter.write_pieces
+
+    def spy(self: LocalBlobWriter, offset: int, pieces: list[memoryview]) -> None:
+        vectored.append(len(pieces))
+        real(self, offset, pieces)
+
+    monkeypatch.setattr(LocalBlobWriter, "write_pieces", spy)
     with Checkpointer(LocalStorage(tmp_path, io="buffered"), chunk_bytes=MiB, event_log=False) as ck:
         handle = ck.save(1, state)
+        assert len(vectored) >= 3 and min(vectored) >= 4  # the medium tensors in groups of two, with zeros after each
         assert handle.stats.extra.get("unstaged") is True
         assert ck._saver.arena.allocations == 0 and ck._saver.arena.capacity == 0  # no arena, no copy
         out = ck.restore(1)
@@ -159,3 +173,14 @@ def test_a_failed_write_leaves_nothing_and_the_next_save_works(tmp_path: Path) -
         assert not [p for p in tmp_path.iterdir() if p.name.startswith("step-")]
         ck.save(2, state)
         _check(ck.restore(2), state)  # type: ignore[arg-type]
+
+
+def test_write_pieces_writes_more_pieces_than_one_pwritev_takes(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path, io="buffered")
+    pieces = [memoryview(bytes([i % 251]) * (1 + i % 7)) for i in range(2500)]  # over IOV_MAX (1024) pieces
+    want = b"".join(pieces)
+    writer = storage.open_writer("f.bin")
+    assert isinstance(writer, LocalBlobWriter)
+    writer.write_pieces(4096, pieces)
+    writer.finish(4096 + len(want))
+    assert storage.get("f.bin") == bytes(4096) + want
