@@ -155,6 +155,7 @@ class StagedWrite:
         src_index = -1
         addresses, copier, inc = self._addresses, self.copier, self.increment
         arena_ptr = self.arena_tensor.data_ptr()
+        runs = _Runs(self) if fits and not self.pinned and inc is None else None
         for u in self.plan.units:
             self.ring.wait_free(u.global_offset + u.padded)
             segments = self.ring.segments(u.global_offset, u.padded)
@@ -183,7 +184,11 @@ class StagedWrite:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(self._cuda_stream)
                 self._last_event = event
+            if runs is not None and runs.add(u):
+                continue
             self.futures.append(self.executor.submit(self._write_unit, u, segments, event))
+        if runs is not None:
+            runs.flush()
         if self._last_event is not None:
             # Later kernels on the caller's stream must not change tensors before the copies read them.
             torch.cuda.current_stream().wait_event(self._last_event)
@@ -286,8 +291,13 @@ class StagedWrite:
         if inc is not None and compares:
             inc.compare_staged(copier.copy_changed, compares)
         del keep_alive
+        runs = _Runs(self) if inc is None else None
         submit, write = self.executor.submit, self._write_unit
-        self.futures.extend(submit(write, u, [(u.global_offset, u.padded)], None) for u in plan.units)
+        for u in plan.units:
+            if runs is None or not runs.add(u):
+                self.futures.append(submit(write, u, [(u.global_offset, u.padded)], None))
+        if runs is not None:
+            runs.flush()
 
     @property
     def addresses(self) -> list[int | None]:
@@ -438,3 +448,53 @@ class StagedWrite:
 
 class _Aborted(Exception):
     pass
+
+
+class _Runs:
+    """Consecutive units that each hold one whole tensor smaller than a chunk (an MoE state's experts), gathered
+    into one write of up to ``chunk_bytes``: their staged bytes are contiguous in the arena and in the shard,
+    so a run of 16 experts of 4 MiB is one 64 MiB request, as a large tensor's chunk is, with each expert's
+    CRC-32C taken on its own bytes. Only for a save that fits its arena (a unit's place there is its global
+    offset, and staging never waits for space a gathered unit holds), without device copies and not
+    incremental (whose per-unit decisions skip units)."""
+
+    def __init__(self, job: StagedWrite) -> None:
+        self.job = job
+        self.units: list[Unit] = []
+        self.bytes = 0
+
+    def add(self, u: Unit) -> bool:
+        """Gather ``u`` when it can join a run (True); else write the open run and return False."""
+        job = self.job
+        if u.is_group or u.padded >= job.plan.chunk_bytes or u.chunk:
+            self.flush()
+            return False
+        if self.units and (u.shard != self.units[-1].shard or self.bytes + u.padded > job.plan.chunk_bytes):
+            self.flush()
+        self.units.append(u)
+        self.bytes += u.padded
+        return True
+
+    def flush(self) -> None:
+        if len(self.units) == 1:
+            u = self.units[0]
+            self.job.futures.append(
+                self.job.executor.submit(self.job._write_unit, u, [(u.global_offset, u.padded)], None)
+            )
+        elif self.units:
+            self.job.futures.append(self.job.executor.submit(_write_run, self.job, self.units))
+        self.units, self.bytes = [], 0
+
+
+def _write_run(job: StagedWrite, units: list[Unit]) -> None:
+    """Writer thread: checksum each unit of a run, write the run with one request, release its arena space."""
+    first, last = units[0], units[-1]
+    start, end = first.global_offset, last.global_offset + last.padded
+    try:
+        for u in units:
+            job._checksum(u, [(u.global_offset, u.padded)])
+        job.writers[first.shard].write_at(first.file_offset, job._view[start:end])
+    except BaseException as exc:
+        job.ring.fail(exc)
+        raise
+    job.ring.release(start, end)
