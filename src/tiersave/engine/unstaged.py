@@ -75,6 +75,32 @@ def writes_from_source(storage: Storage, sources: Sequence[Any], addresses: Sequ
     return writes_buffered(storage)
 
 
+LANES_PER_FILE = 2
+"""Writer threads per shard file, each writing its own half of the file's units in order. Buffered writes to one
+file queue on its inode lock: four threads writing unit by unit took 1.7-2.2x the time and CPU of a plain write
+of the same bytes here, two threads (one checksumming while the other writes) 1.05x, one thread 1.3x."""
+
+
+def _lanes(plan: SavePlan) -> list[list[Unit]]:
+    """The units of each shard cut into :data:`LANES_PER_FILE` runs of consecutive units of about equal bytes."""
+    by_shard: dict[int, list[Unit]] = {}
+    for u in plan.units:
+        by_shard.setdefault(u.shard, []).append(u)
+    lanes: list[list[Unit]] = []
+    for units in by_shard.values():
+        share = -(-sum(u.padded for u in units) // LANES_PER_FILE)
+        lane: list[Unit] = []
+        size = cut = 0
+        for u in units:
+            if lane and size + u.padded > share and cut < LANES_PER_FILE - 1:
+                lanes.append(lane)
+                lane, size, cut = [], 0, cut + 1
+            lane.append(u)
+            size += u.padded
+        lanes.append(lane)
+    return lanes
+
+
 def _bytes_at(address: int, nbytes: int) -> memoryview:
     """A byte view of ``nbytes`` of host memory at ``address`` (the caller keeps its owner alive)."""
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
@@ -115,8 +141,8 @@ class SourceWrite(StagedWrite):
                 if address is None and self.plan.nbytes[i]:
                     self._keep[i] = flat = source_bytes(source)
                     addresses[i] = flat.data_ptr()
-            submit, write = self.executor.submit, self._write_source
-            self.futures.extend(submit(write, u) for u in self.plan.units)
+            submit, write = self.executor.submit, self._write_lane
+            self.futures.extend(submit(write, lane) for lane in _lanes(self.plan))
         wait(self.futures)
         self.stage_s = time.perf_counter() - start
         for fut in self.futures:
@@ -133,12 +159,13 @@ class SourceWrite(StagedWrite):
             scratch.view, scratch.address, scratch.size = memoryview(array).cast("B"), ctypes.addressof(array), size
         return scratch.view, scratch.address
 
-    def _write_source(self, u: Unit) -> None:
+    def _write_lane(self, units: Sequence[Unit]) -> None:
         try:
-            if u.is_group:
-                self._write_group(u)
-            else:
-                self._write_chunk(u)
+            for u in units:
+                if u.is_group:
+                    self._write_group(u)
+                else:
+                    self._write_chunk(u)
         except BaseException as exc:
             self.ring.fail(exc)
             raise
