@@ -30,6 +30,7 @@ from .commit import CommitStrategy
 from .engine.increment import Increment
 from .engine.pipeline import GROUP_BYTES, StagedWrite, Written
 from .engine.stage import HostCopier, StagingArena, needs_pinned
+from .engine.unstaged import SourceWrite, writes_from_source
 from .errors import ConfigError, DistributedCheckpointError, FormatError, SaveError
 from .events import background_warning
 from .format.jsonsafe import check_depth, dumps_canonical, is_finite_number
@@ -274,17 +275,15 @@ class Saver:
                 world = self.group.world_size if self.group is not None else 1
                 increment = Increment(self.storage, plan, rank_base(base, self.rank, world))
                 stats.extra[CHAIN_STAT] = chain_of(increment.base)  # None: a base hashed otherwise
-            job = StagedWrite(
-                self.storage,
-                prefix,
-                plan,
-                [t.source for t in tensors],
-                self.arena,
-                self.pool,
-                self.copier,
-                increment=increment,
-                addresses=[t.address for t in tensors],
-            )
+            sources, addresses = [t.source for t in tensors], [t.address for t in tensors]
+            if blocking and not lazy and increment is None and writes_from_source(self.storage, sources, addresses):
+                # the caller waits until durable and the page cache copy is the snapshot: no staging copy
+                job = SourceWrite(self.storage, prefix, plan, sources, self.pool, addresses)
+                stats.extra["unstaged"] = True
+            else:
+                job = StagedWrite(
+                    self.storage, prefix, plan, sources, self.arena, self.pool, self.copier, increment, addresses
+                )
             if lazy:
                 staging = self.guard.start(job, tensors, request.step, stats)
             if staging is None:

@@ -1,15 +1,8 @@
 """The staged write of one checkpoint: stage chunks into the arena ring, write them as they land.
 
-A save's tensors are cut into *units*, one per checksum chunk (at most ``chunk_bytes``), each padded to
-4096 bytes. Because the format places tensor ``i+1`` at ``align_up(end of tensor i)``, the padded units
-tile every shard exactly: each unit is one aligned write, straight from the page-aligned arena (so the
-direct-I/O path applies), and the zero padding the format requires is written with it.
-
-Small tensors (at most :data:`SMALL_TENSOR_BYTES` and one chunk) are not units of their own: a run of them
-in one shard forms a *group* unit spanning at most :data:`GROUP_BYTES`, staged with one copy per tensor and
-written, checksummed (one CRC-32C per tensor, as the format wants) and released as one job with one future.
-A state of 10^5 expert tensors then costs a copy and a few attribute reads per tensor instead of a job, a
-future, a lock and a write each; the bytes on disk are the same.
+The layout (shards, offsets, write units, groups of small tensors) is planned in plan.py. Each unit is one
+aligned write straight from the page-aligned arena (so the direct-I/O path applies), its zero padding
+included.
 
 Call order (the Checkpointer's):
 
@@ -34,116 +27,28 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, wait
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .._crash import crashpoint
 from ..format.checksum import crc32c_update
 from ..format.jsonsafe import paused_gc
-from ..format.layout import ALIGN, align_up
 from ..format.manifest import ShardInfo, TensorEntry
 from ..storage.base import BlobWriter, Storage
 from .increment import Increment
+from .plan import GROUP_BYTES as GROUP_BYTES
+from .plan import SMALL_TENSOR_BYTES as SMALL_TENSOR_BYTES
+from .plan import SavePlan as SavePlan
+from .plan import ShardLayout as ShardLayout
+from .plan import TensorSpec as TensorSpec
+from .plan import Unit as Unit
+from .plan import plan_layout as plan_layout
+from .plan import plan_save as plan_save
 from .stage import HostCopier, Ring, StagingArena, host_addresses, needs_pinned, small_memmove, source_bytes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Unit:
-    """One write of a save: either one checksum chunk of one tensor (the bytes ``[src_start, src_start +
-    length)`` of tensor ``tensor``), or a *group* of consecutive small tensors ``tensor .. end - 1`` (each one
-    chunk, laid out back to back at their aligned offsets). Either way it is written at ``file_offset`` of its
-    shard as ``padded`` bytes, zero padding included."""
-
-    tensor: int
-    chunk: int
-    shard: int
-    file_offset: int
-    global_offset: int
-    src_start: int
-    length: int
-    padded: int
-    end: int = -1  # a group's one-past-last tensor; -1 for a chunk of one tensor
-
-    @property
-    def is_group(self) -> bool:
-        return self.end >= 0
-
-
-SMALL_TENSOR_BYTES = 1 << 20
-"""Tensors up to this size (and one checksum chunk) are staged, checksummed and written in groups: their cost
-per tensor is then a few attribute reads and one copy, not a job, a future and a write each."""
-
-GROUP_BYTES = 8 << 20
-"""The most bytes (padding included) one group of small tensors spans: one write, one job."""
-
-
-@dataclass
-class ShardLayout:
-    """One shard file of a save: its name, its size (a multiple of 4096) and the tensors in it (indices
-    ``first .. end - 1``: the layout places tensors in order)."""
-
-    file: str
-    size: int
-    first: int = 0
-    end: int = 0
-
-
-def plan_layout(
-    nbytes: Sequence[int], files: Callable[[int], str], *, max_shard_bytes: int | None = None
-) -> tuple[list[ShardLayout], list[int]]:
-    """Place tensors in order at 4 KiB-aligned offsets (docs/format.md section 3), starting a new shard
-    past ``max_shard_bytes``. Returns the shards and each tensor's offset in its shard."""
-    shards: list[ShardLayout] = []
-    offsets = [0] * len(nbytes)
-    cursor = 0
-    for index, size in enumerate(nbytes):
-        if not shards or (max_shard_bytes is not None and cursor > 0 and cursor + size > max_shard_bytes):
-            if shards:
-                shards[-1].size, shards[-1].end = cursor, index
-            shards.append(ShardLayout(files(len(shards)), 0, index, index))
-            cursor = 0
-        offsets[index] = cursor
-        cursor = -(-(cursor + size) // ALIGN) * ALIGN
-    if shards:
-        shards[-1].size, shards[-1].end = cursor, len(nbytes)
-    return shards, offsets
-
-
-class TensorSpec(Protocol):
-    """What the planner needs of a tensor to save (``state.FlatTensor`` is one)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def nbytes(self) -> int: ...
-
-
-@dataclass
-class SavePlan:
-    """Where every tensor of a save goes. ``names[i]`` is tensor ``i``, at ``offsets[i]`` of shard
-    ``shard_of[i]``; units are in global order."""
-
-    names: list[str]
-    nbytes: list[int]
-    shards: list[ShardLayout]
-    units: list[Unit]
-    chunk_bytes: int
-    offsets: list[int] = field(default_factory=list)
-    shard_of: list[int] = field(default_factory=list)
-    dtypes: list[str] = field(default_factory=list)
-    shapes: list[tuple[int, ...]] = field(default_factory=list)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.size for s in self.shards)
 
 
 @dataclass(frozen=True)
@@ -156,78 +61,6 @@ class Written:
     content_hash: str = "sha256"  # the hash function of the shards' content pieces (incremental saves)
 
 
-def plan_save(
-    tensors: Sequence[TensorSpec],
-    *,
-    chunk_bytes: int,
-    shard_file: Callable[[int], str],
-    max_shard_bytes: int | None = None,
-    small_bytes: int = SMALL_TENSOR_BYTES,
-    group_bytes: int = GROUP_BYTES,
-) -> SavePlan:
-    """Lay out tensors (docs/format.md offsets) and cut them into units: runs of consecutive small tensors
-    (at most ``small_bytes`` each, one checksum chunk) in one shard become one group unit spanning at most
-    ``group_bytes``; larger tensors get one unit per checksum chunk."""
-    if chunk_bytes % ALIGN:
-        raise ValueError(f"chunk_bytes {chunk_bytes} is not a multiple of {ALIGN}")
-    with paused_gc():
-        return _plan(tensors, chunk_bytes, shard_file, max_shard_bytes, small_bytes, group_bytes)
-
-
-def _plan(
-    tensors: Sequence[TensorSpec],
-    chunk_bytes: int,
-    shard_file: Callable[[int], str],
-    max_shard_bytes: int | None,
-    small_bytes: int,
-    group_bytes: int,
-) -> SavePlan:
-    names = [t.name for t in tensors]
-    nbytes = [t.nbytes for t in tensors]
-    shards, offsets = plan_layout(nbytes, shard_file, max_shard_bytes=max_shard_bytes)
-    plan = SavePlan(
-        names, nbytes, shards, [], chunk_bytes, offsets, [0] * len(names), [t.dtype for t in tensors],
-        [t.shape for t in tensors],
-    )  # fmt: skip
-    small = min(small_bytes, chunk_bytes)
-    span_limit = max(ALIGN, min(group_bytes, chunk_bytes))
-    units = plan.units
-    shard_of = plan.shard_of
-    base = 0
-    for s, shard in enumerate(shards):
-        first = -1  # the open group: its first tensor, start offset and end of its last tensor's data
-        g_start = g_end = 0
-        shard_of[shard.first : shard.end] = [s] * (shard.end - shard.first)
-        for index, size, offset in zip(
-            range(shard.first, shard.end), nbytes[shard.first : shard.end], offsets[shard.first : shard.end]
-        ):
-            if size <= small:
-                if first >= 0 and -(-(offset + size) // ALIGN) * ALIGN - g_start <= span_limit:  # align_up inline
-                    g_end = offset + size
-                    continue
-                if first >= 0:
-                    _group(units, first, index, s, g_start, g_end, base)
-                first, g_start, g_end = index, offset, offset + size
-                continue
-            if first >= 0:
-                _group(units, first, index, s, g_start, g_end, base)
-                first = -1
-            for c, start in enumerate(range(0, size, chunk_bytes)):
-                length = min(chunk_bytes, size - start)
-                off = offset + start
-                units.append(Unit(index, c, s, off, base + off, start, length, align_up(length)))
-        if first >= 0:
-            _group(units, first, shard.end, s, g_start, g_end, base)
-        base += shard.size
-    return plan
-
-
-def _group(units: list[Unit], first: int, end: int, shard: int, start: int, data_end: int, base: int) -> None:
-    length = data_end - start
-    if length:  # a run of empty tensors has nothing to write
-        units.append(Unit(first, 0, shard, start, base + start, 0, length, align_up(length), end))
-
-
 class StagedWrite:
     """Stages one save into the arena and writes it to ``storage`` under ``prefix``."""
 
@@ -237,7 +70,7 @@ class StagedWrite:
         prefix: str,
         plan: SavePlan,
         sources: Sequence[Any],
-        arena: StagingArena,
+        arena: StagingArena | None,
         executor: Executor,
         copier: HostCopier | None = None,
         increment: Increment | None = None,
@@ -257,13 +90,7 @@ class StagedWrite:
         else:  # only a value without a host address can be a device tensor
             self._addresses = list(addresses)
             self.pinned = needs_pinned([s for s, a in zip(self.sources, self._addresses) if a is None])
-        # The ring must hold two units to overlap staging with writing, unless the whole save fits.
-        min_bytes = min(2 * plan.chunk_bytes, plan.total_bytes)
-        self.arena_tensor = arena.reserve(plan.total_bytes, pinned=self.pinned, min_bytes=min_bytes)
-        self.ring = Ring(int(self.arena_tensor.numel()))
-        if increment is not None:  # what the arena held from the previous save, before this one overwrites it
-            increment.claim(arena, self.arena_tensor, fits=plan.total_bytes <= self.ring.capacity)
-        self._view = self.arena_tensor.numpy().data.cast("B")
+        self._attach(arena)
         # One checksum per chunk: ``crc1[i]`` for a tensor of one chunk (every member of a group), a list in
         # ``crcs`` for a tensor of several. One flat list, not a list per tensor: 10^5 small allocations on the
         # caller's thread cost more than the copy of their bytes.
@@ -284,6 +111,19 @@ class StagedWrite:
         except BaseException:
             self.abort()
             raise
+
+    def _attach(self, arena: StagingArena | None) -> None:
+        """Reserve the staging memory of this save in ``arena`` (unstaged.py's writes need none)."""
+        if arena is None:
+            raise ValueError("a staged write needs a staging arena")
+        plan, increment = self.plan, self.increment
+        # The ring must hold two units to overlap staging with writing, unless the whole save fits.
+        min_bytes = min(2 * plan.chunk_bytes, plan.total_bytes)
+        self.arena_tensor = arena.reserve(plan.total_bytes, pinned=self.pinned, min_bytes=min_bytes)
+        self.ring = Ring(int(self.arena_tensor.numel()))
+        if increment is not None:  # what the arena held from the previous save, before this one overwrites it
+            increment.claim(arena, self.arena_tensor, fits=plan.total_bytes <= self.ring.capacity)
+        self._view = self.arena_tensor.numpy().data.cast("B")
 
     # -- caller thread --------------------------------------------------------------------------
 
@@ -315,6 +155,7 @@ class StagedWrite:
         src_index = -1
         addresses, copier, inc = self._addresses, self.copier, self.increment
         arena_ptr = self.arena_tensor.data_ptr()
+        runs = _Runs(self) if fits and not self.pinned and inc is None else None
         for u in self.plan.units:
             self.ring.wait_free(u.global_offset + u.padded)
             segments = self.ring.segments(u.global_offset, u.padded)
@@ -343,7 +184,11 @@ class StagedWrite:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(self._cuda_stream)
                 self._last_event = event
+            if runs is not None and runs.add(u):
+                continue
             self.futures.append(self.executor.submit(self._write_unit, u, segments, event))
+        if runs is not None:
+            runs.flush()
         if self._last_event is not None:
             # Later kernels on the caller's stream must not change tensors before the copies read them.
             torch.cuda.current_stream().wait_event(self._last_event)
@@ -446,8 +291,13 @@ class StagedWrite:
         if inc is not None and compares:
             inc.compare_staged(copier.copy_changed, compares)
         del keep_alive
+        runs = _Runs(self) if inc is None else None
         submit, write = self.executor.submit, self._write_unit
-        self.futures.extend(submit(write, u, [(u.global_offset, u.padded)], None) for u in plan.units)
+        for u in plan.units:
+            if runs is None or not runs.add(u):
+                self.futures.append(submit(write, u, [(u.global_offset, u.padded)], None))
+        if runs is not None:
+            runs.flush()
 
     @property
     def addresses(self) -> list[int | None]:
@@ -598,3 +448,53 @@ class StagedWrite:
 
 class _Aborted(Exception):
     pass
+
+
+class _Runs:
+    """Consecutive units that each hold one whole tensor smaller than a chunk (an MoE state's experts), gathered
+    into one write of up to ``chunk_bytes``: their staged bytes are contiguous in the arena and in the shard,
+    so a run of 16 experts of 4 MiB is one 64 MiB request, as a large tensor's chunk is, with each expert's
+    CRC-32C taken on its own bytes. Only for a save that fits its arena (a unit's place there is its global
+    offset, and staging never waits for space a gathered unit holds), without device copies and not
+    incremental (whose per-unit decisions skip units)."""
+
+    def __init__(self, job: StagedWrite) -> None:
+        self.job = job
+        self.units: list[Unit] = []
+        self.bytes = 0
+
+    def add(self, u: Unit) -> bool:
+        """Gather ``u`` when it can join a run (True); else write the open run and return False."""
+        job = self.job
+        if u.is_group or u.padded >= job.plan.chunk_bytes or u.chunk:
+            self.flush()
+            return False
+        if self.units and (u.shard != self.units[-1].shard or self.bytes + u.padded > job.plan.chunk_bytes):
+            self.flush()
+        self.units.append(u)
+        self.bytes += u.padded
+        return True
+
+    def flush(self) -> None:
+        if len(self.units) == 1:
+            u = self.units[0]
+            self.job.futures.append(
+                self.job.executor.submit(self.job._write_unit, u, [(u.global_offset, u.padded)], None)
+            )
+        elif self.units:
+            self.job.futures.append(self.job.executor.submit(_write_run, self.job, self.units))
+        self.units, self.bytes = [], 0
+
+
+def _write_run(job: StagedWrite, units: list[Unit]) -> None:
+    """Writer thread: checksum each unit of a run, write the run with one request, release its arena space."""
+    first, last = units[0], units[-1]
+    start, end = first.global_offset, last.global_offset + last.padded
+    try:
+        for u in units:
+            job._checksum(u, [(u.global_offset, u.padded)])
+        job.writers[first.shard].write_at(first.file_offset, job._view[start:end])
+    except BaseException as exc:
+        job.ring.fail(exc)
+        raise
+    job.ring.release(start, end)

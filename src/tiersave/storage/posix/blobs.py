@@ -31,7 +31,7 @@ from .directio import (
     pwrite_direct,
     split_aligned,
 )
-from .files import os_errors, read_all, write_all
+from .files import os_errors, read_all, write_all, writev_all
 from .policy import Decision, IOPolicy, IOStats
 from .vectored import pread_ranges_direct
 
@@ -130,6 +130,23 @@ class LocalBlobWriter:
                 self._add_edge(fd, offset + n - tail, view[n - tail :])
             if middle:
                 self._write_blocks(fd, offset + head, view[head : head + middle])
+
+    def write_pieces(self, offset: int, pieces: Sequence[memoryview]) -> None:
+        """Write the concatenation of ``pieces`` (byte views) at ``offset``: one ``pwritev`` where this writer
+        writes buffered (no direct descriptor), so pieces scattered in memory need no copy into one buffer;
+        else piece by piece through :meth:`write_at` (its direct and edge rules)."""
+        fd = self._fd
+        if fd is None or self._edges is not None:
+            for piece in pieces:
+                self.write_at(offset, piece)
+                offset += len(piece)
+            return
+        n = sum(len(p) for p in pieces)
+        with os_errors(self._storage.uri, "writing", self.key):
+            self.io_stats.note(self._storage.io_policy.decide("write", n, aligned=False).reason)
+            start = time.perf_counter()
+            writev_all(fd, pieces, offset)
+            self.io_stats.record("buffered", n, time.perf_counter() - start)
 
     def _reserve(self, dfd: int, end: int) -> None:
         """Preallocate the file up to at least ``end`` so that direct writes are in-place overwrites.

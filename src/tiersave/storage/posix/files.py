@@ -15,7 +15,7 @@ import ctypes
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from ...errors import CorruptCheckpointError, StorageError, storage_error_from_os
 
@@ -132,6 +132,28 @@ def write_all(fd: int, data: memoryview, offset: int) -> None:
             raise OSError(errno.EIO, "pwrite wrote nothing")
         view = view[n:]
         offset += n
+
+
+_IOV_MAX = 1024  # Linux's limit on the pieces of one pwritev
+
+
+def writev_all(fd: int, pieces: Sequence[memoryview], offset: int) -> None:
+    """``pwritev`` the concatenation of ``pieces`` (byte views) at ``offset`` (buffered): one system call per
+    ``_IOV_MAX`` pieces, looping over short writes."""
+    views = [p for p in pieces if len(p)]
+    first = 0
+    while first < len(views):
+        n = os.pwritev(fd, views[first : first + _IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while n:  # skip what was written; a piece written in part keeps its rest
+            if n >= len(views[first]):
+                n -= len(views[first])
+                first += 1
+            else:
+                views[first] = views[first][n:]
+                n = 0
 
 
 def read_all(fd: int, out: memoryview, offset: int, key: str) -> None:
