@@ -1,7 +1,8 @@
 """What a manifest of 10^4-10^6 tensors costs: its size, the time to parse and validate it (what every restore,
 ``ls`` and retention pays) and to serialize it (the commit thread), and the memory a parse takes, in either
 encoding of the tensor table: ``--encoding entries`` (one JSON object per tensor, formats 1.x-3.x) or
-``--encoding compact`` (columns and tensor runs in the tree, format 4.0, docs/format.md 4.4).
+``--encoding compact`` (columns and tensor runs in the tree, docs/format.md 4.4: format 4.0, or 5.0 where the
+writer knows the optimizer's ``$dict`` as one ``$dictruns`` node; the output names the version written).
 
 The manifests are built, not saved, laid out as a save lays out a mixture-of-experts state: the model's
 weights first (``model.layers.L.mlp.experts.E.gate_proj.weight``, 128 experts x 3 projections per layer),
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         del kept
         row = {
             "encoding": args.encoding,
+            "format_version": json.loads(data[: data.index(b',"step"')] + b"}")["format_version"],
             "tensors": count,
             "bytes": len(data),
             "bytes_per_tensor": len(data) / count,
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows.append(row)
         print(
-            f"{args.encoding:>7} {count:>9,} tensors: {len(data) / 2**20:7.1f} MiB "
+            f"{args.encoding:>7} {row['format_version']} {count:>9,} tensors: {len(data) / 2**20:7.1f} MiB "
             f"({row['bytes_per_tensor']:.0f} B each)"
             f"{'  OVER THE 64 MiB CAP' if row['over_cap'] else ''}; parse {row['parse_s'] * 1e3:8.1f} ms "
             f"({row['parse_s'] / count * 1e6:.2f} us each; CPU {row['parse_cpu_s'] * 1e3:.0f} ms), "

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 # Tunables that make S3 tests exercise multipart uploads, split reads and back-pressure with small data.
 S3_TEST_OPTIONS = {
@@ -112,3 +114,26 @@ def accepted_bit_flips(data: bytes) -> list[tuple[int, int]]:
             if parsed != original:
                 accepted.append((i, bit))
     return accepted
+
+
+def compact_written(doc: dict[str, Any]) -> dict[str, Any]:
+    """Manifest document ``doc`` as a compact writer (format 4.x/5.x) writes it, however few its tensors."""
+    from tiersave.format import compact
+    from tiersave.format.manifest import Manifest, seal
+
+    m = Manifest.parse(seal(doc), path="entries")
+    saved, compact.COMPACT_MIN_TENSORS = compact.COMPACT_MIN_TENSORS, 1
+    try:
+        return json.loads(m.to_json())
+    finally:
+        compact.COMPACT_MIN_TENSORS = saved
+
+
+def manifest_error(doc: dict[str, Any], exc_type: type[Exception] | None = None) -> str:
+    """The message of the error (``FormatError`` unless told) that parsing ``doc``, sealed, raises."""
+    from tiersave.errors import FormatError
+    from tiersave.format.manifest import Manifest, seal
+
+    with pytest.raises(exc_type or FormatError) as info:
+        Manifest.parse(seal(doc), path="m.json")
+    return str(info.value)

@@ -173,10 +173,10 @@ def test_tensor_name_with_path_traversal_is_just_a_label(root):
 
 
 def test_unknown_major_version_is_a_clear_error(saved):
-    edit(saved, lambda d: d.update(format_version="5.0"))
+    edit(saved, lambda d: d.update(format_version="6.0"))
     msg = restore_error(saved, tiersave.UnsupportedFormatVersionError)
-    assert "written with format version 5.0; this tiersave" in msg
-    assert "reads 1.x, 2.x, 3.x and 4.x only. Upgrade tiersave" in msg
+    assert "written with format version 6.0; this tiersave" in msg
+    assert "reads 1.x, 2.x, 3.x, 4.x and 5.x only. Upgrade tiersave" in msg
 
 
 def test_a_1x_reader_refuses_format_2_cleanly(saved, monkeypatch):

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tiersave.errors import CorruptCheckpointError, FormatError
-from tiersave.format import columns
+from tiersave.format import columns, sealing
 from tiersave.format.manifest import MANIFEST_HASH_FIELD, Manifest, _Checker, seal
 
 N = 300
@@ -122,14 +122,14 @@ def test_the_seal_shortcut_only_ever_accepts_the_bytes_that_were_hashed():
     doc = document()
     data = seal(doc)
     expected = json.loads(data)["checksum"][MANIFEST_HASH_FIELD]
-    assert columns.raw_seal_matches(data, MANIFEST_HASH_FIELD, expected)
+    assert sealing.raw_seal_matches(data, MANIFEST_HASH_FIELD, expected)
     # Another writer's whitespace: the shortcut declines, the spec's re-serialization accepts.
     spaced = json.dumps(json.loads(data), indent=1).encode()
-    assert not columns.raw_seal_matches(spaced, MANIFEST_HASH_FIELD, expected)
+    assert not sealing.raw_seal_matches(spaced, MANIFEST_HASH_FIELD, expected)
     assert Manifest.parse(spaced, path="m").manifest_verified
     # Damage anywhere (a value, or the recorded digest itself) still fails as before.
     damaged = data.replace(b'"offset":4096,', b'"offset":8192,', 1)
-    assert not columns.raw_seal_matches(damaged, MANIFEST_HASH_FIELD, expected)
+    assert not sealing.raw_seal_matches(damaged, MANIFEST_HASH_FIELD, expected)
     with pytest.raises(CorruptCheckpointError, match="does not match its checksum"):
         Manifest.parse(damaged, path="m")
     wrong = data.replace(expected.encode(), b"0" * 64)

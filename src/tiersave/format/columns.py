@@ -1,4 +1,4 @@
-"""Column-wise checks of a manifest's tensor table, and the shortcut of the manifest's seal check.
+"""Column-wise checks of a manifest's tensor table, and the helpers the compact table (``compact.py``) shares.
 
 A manifest of 10^5 tensors has 10^5 entries of six fields each. Checking them entry by entry in Python costs a
 few microseconds per tensor; checking them field by field, each field a list whose per-value work runs in C
@@ -10,31 +10,38 @@ So a valid manifest is accepted with the same values, and an invalid one fails w
 
 from __future__ import annotations
 
-import hashlib
 import math
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate, chain, compress, pairwise, repeat
 from typing import Any
 
+from ..errors import FormatError
 from .dtypes import DTYPES
-from .jsonsafe import dumps_canonical
 
-_ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
+ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
 _FIELDS = ("dtype", "shape", "shard", "offset", "nbytes", "crc32c")
-_HEX = re.compile("[0-9a-f]*")
+HEX = re.compile("[0-9a-f]*")
+"""Lowercase hex digits, matched (``fullmatch``) against every checksum of a table joined: one scan in C."""
 _INT = {int}  # type(x) is int: a bool is not an integer here, as in every other check of the manifest
 
+Fail = Callable[[str], FormatError]
+"""Makes the error of a failed check (its message prefixed with the manifest's path)."""
 Columns = tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int], list[int], list[tuple[str, ...]]]
 """names, dtypes, shapes, shards, offsets, nbytes, crc32c lists: the fields of ``TensorEntry`` in order."""
 
 
-def _ints(values: list[Any], lo: int, hi: int) -> bool:
-    """Every value is an int (not a bool) in [lo, hi]; True for an empty list."""
-    if not values:
-        return True
-    return set(map(type, values)) == _INT and min(values) >= lo and max(values) <= hi
+def ints(values: Any, lo: int, hi: int) -> bool:
+    """``values`` is a list of ints (not bools) in [lo, hi]; True for an empty list."""
+    if type(values) is not list:
+        return False
+    return not values or (set(map(type, values)) == _INT and min(values) >= lo and max(values) <= hi)
+
+
+def chunk_counts(nbytes: list[int], chunk_bytes: int) -> list[int]:
+    """``ceil(n / chunk_bytes)`` for each ``n``: the checksums of each tensor (docs/format.md 4, Chunks)."""
+    return list(map(operator.neg, map(operator.floordiv, map(operator.neg, nbytes), repeat(chunk_bytes))))
 
 
 def tensor_columns(
@@ -61,26 +68,25 @@ def tensor_columns(
     if min(map(len, names)) < 1 or max(map(len, names)) > max_name or any(map(operator.contains, names, repeat("\0"))):
         return None
     dtypes, shapes, shards, offsets, nbytes, crcs = (list(map(operator.itemgetter(f), entries)) for f in _FIELDS)
-    if set(map(type, dtypes)) != {str} or not set(dtypes) <= _ITEMSIZE.keys():
+    if set(map(type, dtypes)) != {str} or not set(dtypes) <= ITEMSIZE.keys():
         return None
     if set(map(type, shapes)) != {list} or max(map(len, shapes)) > max_ndim:
         return None
-    if not _ints(list(chain.from_iterable(shapes)), 0, max_int):
+    if not ints(list(chain.from_iterable(shapes)), 0, max_int):
         return None
-    if not (_ints(shards, 0, nshards - 1) and _ints(offsets, 0, max_int) and _ints(nbytes, 0, max_int)):
+    if not (ints(shards, 0, nshards - 1) and ints(offsets, 0, max_int) and ints(nbytes, 0, max_int)):
         return None
     # Exact integers: prod(shape) * itemsize cannot overflow, and == on lists of ints compares values.
-    if list(map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE.__getitem__, dtypes))) != nbytes:
+    if list(map(operator.mul, map(math.prod, shapes), map(ITEMSIZE.__getitem__, dtypes))) != nbytes:
         return None
     if set(map(type, crcs)) != {list}:
         return None
-    chunks = list(map(operator.neg, map(operator.floordiv, map(operator.neg, nbytes), repeat(chunk_bytes))))
-    if list(map(len, crcs)) != chunks:
+    if list(map(len, crcs)) != chunk_counts(nbytes, chunk_bytes):
         return None
     flat = list(chain.from_iterable(crcs))
     # All 8 characters long, then one scan of them joined: what the per-entry ``_HEX8`` accepts (an entry
     # that fails takes the per-entry path, which names it).
-    if flat and (set(map(type, flat)) != {str} or set(map(len, flat)) != {8} or not _HEX.fullmatch("".join(flat))):
+    if flat and (set(map(type, flat)) != {str} or set(map(len, flat)) != {8} or not HEX.fullmatch("".join(flat))):
         return None
     return names, dtypes, list(map(tuple, shapes)), shards, offsets, nbytes, list(map(tuple, crcs))
 
@@ -111,47 +117,6 @@ def ranges_ok(sizes: Sequence[int], shards: list[int], offsets: list[int], nbyte
         pairs = sorted(zip(starts, ends))
         starts, ends = [s for s, _ in pairs], [e for _, e in pairs]
     return not any(map(operator.lt, starts[1:], ends))
-
-
-def raw_seal_matches(data: bytes, field: str, expected: str) -> bool:
-    """True when ``data`` with ``,"<field>":"<expected>"`` cut out hashes (SHA-256) to ``expected``.
-
-    The spec's check (docs/format.md 4.3) re-serializes the parsed document without the field and hashes
-    that; a conforming writer's manifest *is* those canonical bytes with the field added as the last key of
-    ``checksum``, so hashing the bytes as read, minus the field, gives the same digest without serializing
-    10^5 entries again. A match means the bytes are the very bytes that were hashed (a match otherwise would
-    need a SHA-256 preimage); anything else (damage, another writer's whitespace or escaping, the field
-    elsewhere) returns False and the caller runs the spec's check, which decides and names the fault.
-    """
-    needle = f',"{field}":"{expected}"'.encode()
-    at = data.find(needle)
-    if at < 0:
-        return False
-    view = memoryview(data)
-    digest = hashlib.sha256(view[:at])
-    digest.update(view[at + len(needle) :])
-    return digest.hexdigest() == expected
-
-
-def seal_bytes(doc: dict[str, Any], field: str) -> bytes:
-    """``doc`` serialized with ``doc["checksum"][field]`` set (as its last key) to the SHA-256 of the canonical
-    bytes of ``doc`` without it (docs/format.md 4.3).
-
-    Serializes once, not twice: the sealed bytes are the unsealed ones with the field spliced in before the
-    brace that closes ``checksum``, whose position is the length of the document serialized up to and
-    including ``checksum`` (a few hundred bytes), checked to be a prefix before it is trusted.
-    """
-    checksum = doc["checksum"]
-    checksum.pop(field, None)
-    unsealed = dumps_canonical(doc)
-    keys = list(doc)
-    head = dumps_canonical({k: doc[k] for k in keys[: keys.index("checksum") + 1]})
-    digest = hashlib.sha256(unsealed).hexdigest()
-    checksum[field] = digest
-    if len(checksum) == 1 or not unsealed.startswith(head[:-1]):
-        return dumps_canonical(doc)  # nothing to splice after (the field alone): serialize again
-    at = len(head) - 2
-    return b"".join((unsealed[:at], f',"{field}":"{digest}"'.encode(), unsealed[at:]))
 
 
 def first_range_fault(entries: Sequence[Any], shards: Sequence[tuple[str, int]], align: int) -> str:

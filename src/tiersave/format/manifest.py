@@ -13,8 +13,10 @@ Content hashes (1.2) and shard references (2.0), docs/format.md section 9: a sha
 may live in an earlier step's directory (``ShardInfo.step``). The version written follows from what the
 shards use (:func:`version_for`), so a plain checkpoint stays 1.1.
 
-The compact table (4.0, docs/format.md 4.4, ``format/compact.py``): columns and tree runs from
-``compact.COMPACT_MIN_TENSORS`` tensors; parsed, both encodings give the same ``Manifest``.
+The compact table (4.0, docs/format.md 4.4, ``format/compact.py``): columns and tree runs
+(``format/treeruns.py``; 5.0 when an optimizer's state is one ``$dictruns``) from
+``compact.COMPACT_MIN_TENSORS`` tensors; parsed, both encodings give the same ``Manifest``. The seal:
+``format/sealing.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime as _dt
-import hashlib
 import itertools
 import math
 import operator
@@ -36,6 +37,7 @@ from ..errors import CorruptCheckpointError, FormatError, UnsupportedFormatVersi
 from . import (
     COMPACT_VERSION_STR,
     CONTENT_HASHES,
+    DICT_RUN_VERSION_STR,
     ENCODED_VERSION_STR,
     FORMAT_NAME,
     FORMAT_VERSION_STR,
@@ -46,13 +48,17 @@ from . import (
 )
 from . import compact as _compact
 from .checksum import ALGORITHM, chunk_count
-from .columns import Columns, first_range_fault, ranges_ok, raw_seal_matches, seal_bytes, tensor_columns
-from .compact import TableDecoder, TreeRuns, compress_tree, encode_table, entry_table
+from .columns import Columns, first_range_fault, ranges_ok, tensor_columns
+from .compact import TableDecoder, encode_table, entry_table
 from .dtypes import lookup
 from .encoding import Encoding, parse_encoding
-from .jsonsafe import check_depth, dumps_canonical, is_finite_number, loads_strict, paused_gc
+from .jsonsafe import check_depth, is_finite_number, loads_strict, paused_gc
 from .layout import ALIGN, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, MAX_STEP, is_safe_file, is_valid_tag, step_dirname
+from .sealing import MANIFEST_HASH_FIELD as MANIFEST_HASH_FIELD  # re-exported: the field's name
+from .sealing import check_seal
+from .sealing import seal as seal  # re-exported: writers and tests seal documents through this module
 from .tree import validate_tree
+from .treeruns import TreeRuns, compress_tree
 
 _MAX_INT = (1 << 63) - 1
 _MAX_NDIM = 64
@@ -82,7 +88,6 @@ _SHARD_FIELDS = frozenset({"file", "rank", "size"})
 _SHARD_FIELDS_1_2 = _SHARD_FIELDS | {"content"}
 _SHARD_FIELDS_2_0 = _SHARD_FIELDS_1_2 | {"step"}
 _SHARD_FIELDS_3_0 = _SHARD_FIELDS_2_0 | {"encoding"}
-MANIFEST_HASH_FIELD = "manifest_sha256"
 _CHECKSUM_FIELDS = frozenset({"algorithm", "chunk_bytes"})
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "shard", "offset", "nbytes", "crc32c"})
@@ -135,12 +140,16 @@ def version_for(
     current: str = FORMAT_VERSION_STR,
     content_hash: str = CONTENT_HASHES[0],
     compact: bool = False,
+    dict_runs: bool = False,
 ) -> str:
-    """The format version a manifest with these shards is written as: the lowest that describes them: 4.0
-    with the compact table, 3.0 with a compressed shard, 2.0 with a reference, 1.2 with content hashes, else
+    """The format version a manifest with these shards is written as: the lowest that describes them: 5.0
+    with the compact table and a ``$dictruns`` in the tree, 4.0 with the compact table, 3.0 with a compressed
+    shard, 2.0 with a reference, 1.2 with content hashes, else
     ``current`` (a 1.x version; the one it was read as) or 1.1. Content hashes by another function than
-    SHA-256 (``content_hash``) make it the next minor version: 4.1, 3.1, 2.1, 1.3."""
-    if compact:
+    SHA-256 (``content_hash``) make it the next minor version: 5.1, 4.1, 3.1, 2.1, 1.3."""
+    if dict_runs:
+        version = DICT_RUN_VERSION_STR
+    elif compact:
         version = COMPACT_VERSION_STR
     elif any(s.encoding is not None for s in shards):
         version = ENCODED_VERSION_STR
@@ -244,10 +253,11 @@ class Manifest:
 
     def _to_json(self) -> bytes:
         names, entries = list(self.tensors), list(self.tensors.values())
-        compact = len(names) >= _compact.COMPACT_MIN_TENSORS  # docs/format.md 4.4: columns, format 4.x
+        compact = len(names) >= _compact.COMPACT_MIN_TENSORS  # docs/format.md 4.4: columns, format 4.x / 5.x
+        tree, runs = compress_tree(self.tree, names) if compact else (self.tree, False)
         doc = {
             "format": FORMAT_NAME,
-            "format_version": version_for(self.shards, self.format_version, self.content_hash, compact),
+            "format_version": version_for(self.shards, self.format_version, self.content_hash, compact, runs),
             "step": self.step,
             "created_at": self.created_at,
             "world_size": self.world_size,
@@ -255,7 +265,7 @@ class Manifest:
             "checksum": self._checksum_doc(),
             "shards": [s.to_json() for s in self.shards],
             ("table" if compact else "tensors"): (encode_table if compact else entry_table)(names, entries),
-            "tree": compress_tree(self.tree, names) if compact else self.tree,
+            "tree": tree,
             "metrics": dict(self.metrics),
             "tags": list(self.tags),
             "metadata": dict(self.metadata),
@@ -296,7 +306,7 @@ class Manifest:
         # Table depths: checked by _Checker.tensors (10^5 entries: a tenth of the parse), implied by TableDecoder
         doc = loads_strict(data, what=path, max_bytes=MAX_MANIFEST_BYTES, defer_depth=("tensors", "table"))
         try:
-            verified = _check_seal(doc, path, data)
+            verified = check_seal(doc, path, data)
             manifest = _Checker(path).build(doc)
         except RecursionError:  # cannot happen within the caps; a typed error if the stack was already deep
             raise FormatError(f"{path}: nested too deeply to validate", path=path) from None
@@ -312,44 +322,6 @@ class Manifest:
         return manifest
 
 
-def seal(doc: dict[str, Any]) -> bytes:
-    """Serialize a manifest document with its integrity field: ``doc["checksum"]["manifest_sha256"]`` is set
-    (replaced if present) to the SHA-256 of the canonical bytes of ``doc`` without it. Returns the bytes."""
-    return seal_bytes(doc, MANIFEST_HASH_FIELD)
-
-
-def _check_seal(doc: Any, path: str, data: bytes | None = None) -> bool:
-    """Check and remove the manifest's own checksum. Returns False for a format 1.0 manifest without one.
-
-    Raises:
-        CorruptCheckpointError: the manifest's bytes do not match its checksum.
-        FormatError: a 1.1+ manifest lacks its checksum, or the field is malformed.
-    """
-    if not isinstance(doc, dict) or not isinstance(doc.get("checksum"), dict):
-        return False  # not a manifest at all: the structural checks say what is wrong
-    checksum = doc["checksum"]
-    expected = checksum.pop(MANIFEST_HASH_FIELD, None)
-    if expected is None:
-        version = doc.get("format_version")
-        m = _VERSION_RE.match(version) if isinstance(version, str) else None
-        if m is not None and (int(m.group(1)), int(m.group(2))) >= (1, 1):
-            raise FormatError(f"{path}: format {version} manifest lacks checksum.{MANIFEST_HASH_FIELD}", path=path)
-        return False
-    if not isinstance(expected, str) or not _SHA256_HEX.match(expected):
-        raise FormatError(f"{path}: checksum.{MANIFEST_HASH_FIELD} must be 64 lowercase hex digits", path=path)
-    if data is not None and raw_seal_matches(data, MANIFEST_HASH_FIELD, expected):
-        return True  # the bytes as read are the bytes that were hashed: no need to serialize them again
-    actual = hashlib.sha256(dumps_canonical(doc)).hexdigest()
-    if actual != expected:
-        raise CorruptCheckpointError(
-            f"{path}: the manifest does not match its checksum (sha256 {actual[:16]}..., recorded "
-            f"{expected[:16]}...): it was damaged or edited after it was written",
-            path=path,
-            file="manifest.json",
-        )
-    return True
-
-
 class _Checker:
     """Validation with messages that name the manifest and the field."""
 
@@ -361,6 +333,7 @@ class _Checker:
         self.columns: Columns | None = None
         self.top_fields = _TOP_FIELDS
         self.tree_checked = False
+        self.dict_runs = False
 
     def fail(self, message: str) -> FormatError:
         return FormatError(f"{self.path}: {message}", path=self.path)
@@ -402,6 +375,7 @@ class _Checker:
             )
         # A newer minor version may add fields we may ignore; an older or equal one may not surprise us.
         self.strict_fields = minor <= known
+        self.dict_runs = major >= 5
         if major >= 4:
             self.top_fields = _TOP_FIELDS - {"tensors"} | {"table"}
         if major >= 3:
@@ -445,10 +419,10 @@ class _Checker:
         tree = doc["tree"]
         if "table" in self.top_fields:
             self.columns = TableDecoder(self.fail, max_ndim=_MAX_NDIM, max_name=_MAX_NAME, max_int=_MAX_INT).decode(
-                doc["table"], len(shards), chunk_bytes
+                doc["table"], len(shards), chunk_bytes, strict=self.strict_fields
             )
             tensors = dict(zip(self.columns[0], _entries(self.columns), strict=True))
-            runs = TreeRuns(tree, self.columns[0], self.fail)
+            runs = TreeRuns(tree, self.columns[0], self.fail, dict_runs=self.dict_runs)
             self.check_tree(runs.standins(), set(tensors), runs.referenced())
             tree = runs.expand()
         else:
