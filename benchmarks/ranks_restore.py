@@ -4,7 +4,10 @@ Each of ``--ranks`` processes (gloo on 127.0.0.1) holds the same GPT-like state 
 bench``'s), declared ``replicated=["model"]``; the job saves it once with tiersave and once with DCP's
 ``FileSystemWriter``, then restores both ``--reps`` times, alternating, into the live state (as ``tiersave bench
 --ranks N --replicated`` does), after evicting the files from the page cache (``POSIX_FADV_DONTNEED``, as the
-bench's ``--no-drop-caches``). Per rank and restore it prints the wall time and where it went, summed over the
+bench's ``--no-drop-caches``); tiersave's restore runs twice, with the checks of the replicated state split among
+the ranks of the machine (``tiersave``, the default) and with every rank checking everything
+(``tiersave-checks-all``, ``TIERSAVE_SPLIT_VERIFY=0``), in an order rotated from rep to rep. Per rank and
+restore it prints the wall time and where it went, summed over the
 I/O threads: inside the read system calls (``read_into``/``read_ranges`` of the shard readers, wall time), in the
 CRC-32C checks (wall and thread CPU time), the rest of the reader's jobs, and, with ``--profile``, the top
 functions of the caller's thread under cProfile for both restores.
@@ -114,22 +117,31 @@ def _rank(rank: int, world: int, root: str, size: int, reps: int, port: int, pro
                 text = "\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip())
             return seconds, text
 
+        def tiersave_restore(split: bool) -> Callable[[], Any]:
+            def run() -> None:
+                os.environ["TIERSAVE_SPLIT_VERIFY"] = "1" if split else "0"  # read at each restore
+                ckpt.restore(1, into=state)
+                if ckpt.last_restore is not None:
+                    timers.wall["unchecked"] = ckpt.last_restore.unchecked_bytes
+
+            return run
+
+        methods = [("tiersave", tiersave_restore(True)), ("tiersave-checks-all", tiersave_restore(False))]
+        methods.append(("dcp", lambda: state_dict_loader.load(state, storage_reader=FileSystemReader(base / "dcp"))))
         for rep in range(reps):
-            order = [("tiersave", lambda: ckpt.restore(1, into=state))]
-            order.append(("dcp", lambda: state_dict_loader.load(state, storage_reader=FileSystemReader(base / "dcp"))))
-            if rep % 2:
-                order.reverse()
-            for name, fn in order:
+            k = rep % len(methods)
+            for name, fn in methods[k:] + methods[:k]:
                 seconds, text = timed(name, fn)
                 parts = f" | process CPU {timers.wall['process cpu']:.3f} s"
-                if name == "tiersave":
+                if name.startswith("tiersave"):
                     w, c = timers.wall, timers.cpu
                     jobs = w.get("reader jobs", 0.0)
                     parts += (
                         f" | I/O threads: read syscalls {w.get('read syscalls', 0):.3f} s wall "
                         f"({c.get('read syscalls', 0):.3f} s cpu), crc {w.get('crc', 0):.3f} s "
                         f"wall ({c.get('crc', 0):.3f} s cpu), rest of jobs "
-                        f"{jobs - w.get('read syscalls', 0) - w.get('crc', 0):.3f} s"
+                        f"{jobs - w.get('read syscalls', 0) - w.get('crc', 0):.3f} s; "
+                        f"left to the other ranks {w.get('unchecked', 0) / 1e9:.2f} GB"
                     )
                 print(
                     f"rank {rank} rep {rep} {name}: {seconds:.3f} s ({nbytes / seconds / 1e9:.2f} GB/s){parts}",

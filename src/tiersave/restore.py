@@ -8,6 +8,9 @@ another stored tensor), allocates the rest (pinned when a CUDA copy follows), re
 verification, then copies to the live tensors that could not be read in place and loads the tree into the
 live state.
 Nothing in the live state changes through ``load_state_dict`` or dict updates unless every byte verified.
+In a collective restore the ranks of one machine split the checks of the replicated state (splitverify.py):
+such a rank loads the live state only after the restore's agreement, where every rank reports its share.
+(A failure of that load itself, after the agreement, is then this rank's alone.)
 
 Anti-scope: the byte reads and checksums (engine/reader.py), matching a saved tree against a live state
 (state.py), which tiers exist and what they hold (tiers.py).

@@ -97,7 +97,7 @@ def plan(ckpt: OpenCheckpoint, requests: Sequence[ReadRequest], rank: int, node:
     if getattr(ckpt.storage, "open_shared_reader", None) is None:
         return None
     files: dict[int, LocalBlobReader] = {}
-    for shard in ckpt.shared:
+    for shard in sorted(ckpt.shared.intersection(req.entry.shard for req in requests)):
         reader = ckpt.reader(shard)
         if isinstance(reader, LocalBlobReader):  # not a peer's stream nor a compressed shard's decoder
             files[shard] = reader
