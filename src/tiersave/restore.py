@@ -8,6 +8,9 @@ another stored tensor), allocates the rest (pinned when a CUDA copy follows), re
 verification, then copies to the live tensors that could not be read in place and loads the tree into the
 live state.
 Nothing in the live state changes through ``load_state_dict`` or dict updates unless every byte verified.
+In a collective restore the ranks of one machine split the checks of the replicated state (splitverify.py):
+such a rank loads the live state only after the restore's agreement, where every rank reports its share.
+(A failure of that load itself, after the agreement, is then this rank's alone.)
 
 Anti-scope: the byte reads and checksums (engine/reader.py), matching a saved tree against a live state
 (state.py), which tiers exist and what they hold (tiers.py).
@@ -18,6 +21,7 @@ from __future__ import annotations
 import bisect
 import time
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from . import replication
+from . import replication, splitverify
 from .catalog import OpenCheckpoint
 from .collective import Collective, rank_view, shared_shards
-from .engine.reader import ReadRequest
+from .engine.reader import ReadRequest, verify_in_memory
 from .errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -69,7 +73,8 @@ class RestoreReport:
     Attributes:
         step: the step restored.
         location: URI of the checkpoint read.
-        bytes_read: tensor bytes read and verified.
+        bytes_read: tensor bytes read and verified (by this rank, or, for ``unchecked_bytes`` of them, by
+            another rank of this machine that read the same bytes of the same file).
         seconds: wall time of the restore.
         in_place: tensors read directly into the live state's memory.
         skipped: ``(step, reason)`` for each copy (newer, or in a faster tier) that could not be used.
@@ -81,6 +86,9 @@ class RestoreReport:
         cast: paths of tensors converted to another dtype (``cast=True`` or ``dtype=``).
         source: where this rank's bytes came from: the tier's URI, or, for a memory tier with replicas whose
             copy was lost with its node, the peer node whose replica was pulled first.
+        unchecked_bytes: (collective restores, ranks sharing a machine) replicated bytes this rank read without
+            checking their CRC-32C because the rank of its machine that checks them reported them verified
+            (docs/guarantees.md); 0 when it checked everything it read.
     """
 
     step: int
@@ -95,6 +103,7 @@ class RestoreReport:
     mismatched: list[str] = field(default_factory=list)
     cast: list[str] = field(default_factory=list)
     source: str = ""
+    unchecked_bytes: int = 0
 
 
 def restore_from(
@@ -135,17 +144,23 @@ def restore_from(
             for tier in holders:
                 error: TiersaveError | None = None
                 source = tier.storage.uri
+                job: Restore | None = None
                 chain.protection.hold(tier.index, candidate)  # our own retention must not delete what we read
                 try:
 
-                    def read(ckpt: OpenCheckpoint) -> tuple[Restore, tuple[Any, int, int]]:
+                    def read(ckpt: OpenCheckpoint) -> Restore:
                         ckpt.manifest = rank_view(ckpt.manifest, rank, world_size)
+                        node: list[int] = []
                         if group is not None and group.identity.local_world_size > 1:
                             ckpt.shared = shared_shards(ckpt.manifest)
-                        job = Restore(ckpt, into, strict, selection)
-                        return job, job.run(pool)
+                            node = list(replication.node_ranks(group))
+                        job = Restore(ckpt, into, strict, selection, node=node, rank=rank or 0)
+                        job.read(pool)
+                        if job.split is None:  # every byte checked here: apply it before the agreement, as always
+                            job.finish()
+                        return job
 
-                    (job, (result, nbytes, in_place)), source = replication.read_copy(replicas, tier, candidate, read)
+                    job, source = replication.read_copy(replicas, tier, candidate, read)
                 except (FormatError, CheckpointNotFoundError, StorageError) as exc:  # this copy is unusable
                     error = exc
                 except TiersaveError as exc:  # not a matter of this copy: every rank stops here
@@ -155,7 +170,7 @@ def restore_from(
                 finally:
                     chain.protection.release(tier.index, candidate)
                 if group is not None:
-                    error = _agree_on_copy(group, candidate, error)
+                    error = _agree_on_copy(group, candidate, error, job if error is None else None)
                 elif error is not None and candidate not in tier.catalog.steps():
                     # Deleted since we listed it (another process's retention): not damage. Try the next
                     # copy; if none works, list again: the writer committed a newer one.
@@ -178,10 +193,15 @@ def restore_from(
                         stacklevel=3,
                     )
                     continue
+                assert job is not None
+                # Split checks: the live state changes only now that every rank of the machine reported its share
+                # of the replicated bytes verified (or checked the rest itself).
+                result, nbytes, in_place = job.finish() if job.done is None else job.done
                 location = tier.catalog.location(candidate)
                 report = RestoreReport(
                     candidate, location, nbytes, time.perf_counter() - start, in_place, skipped, tier.name
                 )
+                report.unchecked_bytes = job.split.unchecked_bytes if job.split is not None else 0
                 for what in ("missing", "unexpected", "mismatched", "cast"):  # what a partial restore left out
                     setattr(report, what, getattr(job.loaded, what))
                 job.loaded.log(candidate)
@@ -263,16 +283,33 @@ def _candidates(
     return [(s, holders[s]) for s in sorted(holders, reverse=True)]
 
 
-def _agree_on_copy(group: CoordinationGroup, step: int, error: TiersaveError | None) -> TiersaveError | None:
+def _agree_on_copy(
+    group: CoordinationGroup, step: int, error: TiersaveError | None, job: Restore | None = None
+) -> TiersaveError | None:
     """Every rank learns whether every rank could use this copy. Returns this rank's error, or the error
-    naming the ranks that could not; raises on every rank when one rank's error is not about the copy."""
+    naming the ranks that could not; raises on every rank when one rank's error is not about the copy.
+
+    ``job``: this rank's read of the copy, whose split checks (splitverify.py) the same exchange confirms;
+    where a split did not hold, every rank checks what it read unchecked and the ranks agree once more."""
     mine: Json = None
     if error is not None:
         mine = {"type": type(error).__name__, "message": str(error), "copy": _copy_error(error)}
+    split = job.split if job is not None else None
+    if split is not None:
+        mine = {"split": split.document()}
     reports = group.all_gather_json(mine, step=step)
-    failed = {r: rep for r, rep in enumerate(reports) if rep is not None}
+    splits = [splitverify.split_of(rep) for rep in reports]
+    failed = {r: rep for r, rep in enumerate(reports) if rep is not None and splits[r] is None}
     if not failed:
-        return None
+        if not splitverify.fallback_needed(splits):
+            return None
+        mine_error: TiersaveError | None = None
+        if job is not None and not splitverify.holds(splits, group.rank):
+            try:
+                job.verify_unchecked()
+            except CorruptCheckpointError as exc:
+                mine_error = exc
+        return _agree_on_copy(group, step, mine_error)
     fatal = {r: rep for r, rep in failed.items() if isinstance(rep, dict) and not rep.get("copy")}
     if fatal:
         if error is not None and not _copy_error(error):
@@ -297,18 +334,64 @@ def _copy_error(error: TiersaveError) -> bool:
 class Restore:
     """One restore of one checkpoint: choose destinations, read, copy, rebuild."""
 
-    def __init__(self, ckpt: OpenCheckpoint, into: Any, strict: bool, selection: Selection = ALL) -> None:
+    def __init__(
+        self,
+        ckpt: OpenCheckpoint,
+        into: Any,
+        strict: bool,
+        selection: Selection = ALL,
+        *,
+        node: Sequence[int] = (),
+        rank: int = 0,
+    ) -> None:
         self.ckpt = ckpt
         self.into = into
         self.strict = strict
         self.selection = selection
         self.loaded = LoadReport()
+        self.node = node  # the ranks of this machine (a collective restore): they split the replicated checks
+        self.rank = rank
+        self.split: splitverify.Split | None = None
+        self.done: tuple[Any, int, int] | None = None  # finish()'s result
+        self._pool: Executor | None = None
+        self._read: tuple[Any, dict[str, torch.Tensor | np.ndarray], dict[str, list[Target]], list[ReadRequest]] | None
+        self._read = None
+        self._in_place = 0
 
     def run(self, pool: Executor) -> tuple[Any, int, int]:
-        with paused_gc():  # 10^5 tensors make 10^6 small objects; see paused_gc
-            return self._run(pool)
+        """Read and verify everything, then load it into the live state: ``(result, bytes read, in place)``."""
+        self.read(pool)
+        return self.finish()
 
-    def _run(self, pool: Executor) -> tuple[Any, int, int]:
+    def read(self, pool: Executor) -> None:
+        """Choose the destinations and read every byte into them; the live state's tree is not touched yet."""
+        self._pool = pool
+        with paused_gc():  # 10^5 tensors make 10^6 small objects; see paused_gc
+            self._read_all(pool)
+
+    def finish(self) -> tuple[Any, int, int]:
+        """Copy what was not read in place into the live tensors and load the tree into the live state."""
+        with paused_gc():
+            self.done = self._finish()
+        return self.done
+
+    def verify_unchecked(self) -> None:
+        """Check the bytes read unchecked (left to another rank of the machine) in memory, here.
+
+        Raises:
+            CorruptCheckpointError: a chunk does not match its checksum (the message names the file and chunk).
+        """
+        if self.split is None or not self.split.unchecked or self._pool is None:
+            return
+        verify_in_memory(
+            self.split.unchecked,
+            chunk_bytes=self.ckpt.manifest.chunk_bytes,
+            executor=self._pool,
+            describe=self.ckpt.describe,
+        )
+        self.split.unchecked.clear()
+
+    def _read_all(self, pool: Executor) -> None:
         manifest = self.ckpt.manifest
         saved = decode_placeholders(manifest.tree)
         sel, casting = self.selection, self.selection.casting
@@ -360,7 +443,20 @@ class Restore:
             dests[name] = dest
             view = ndarray_byte_view(dest) if isinstance(dest, np.ndarray) else tensor_byte_view(dest)
             requests.append(ReadRequest(entry, view))
+        if self.node:
+            self.split = splitverify.plan(self.ckpt, requests, self.rank, self.node)
         self.ckpt.read(requests, executor=pool)
+        if self.split is not None:
+            self.split.close()
+        self._read = (saved, dests, targets, requests)
+        self._in_place = in_place
+
+    def _finish(self) -> tuple[Any, int, int]:
+        assert self._read is not None, "finish() before read()"
+        saved, dests, targets, requests = self._read
+        manifest, sel, casting = self.ckpt.manifest, self.selection, self.selection.casting
+        no_targets: list[Target] = []
+        in_place = self._in_place
         values: dict[str, Any] = dests if not targets else {}
         cuda = False
         for name, dest in dests.items() if targets else ():

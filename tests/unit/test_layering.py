@@ -59,6 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.catalog",
             "tiersave.commit",
             "tiersave.restore",
+            "tiersave.splitverify",
             "tiersave.replication",
             "tiersave.partdrain",
             "tiersave.replica_read",
