@@ -18,6 +18,8 @@ Usage::
     PYTHONPATH=src .venv/bin/python benchmarks/many_tensors.py --counts 2000 20000 100000 --moe-mb 1024
     PYTHONPATH=src .venv/bin/python benchmarks/many_tensors.py --counts 20000 --profile save
 
+``--nested`` replaces the flat dicts by a model's dict and its Adam state dict (a weight, ``step``, ``exp_avg``,
+``exp_avg_sq`` per parameter: about ``--counts`` tensors in all, counted as saved).
 ``--restore-only`` measures only restores, into a new tree and into a live state (in place); with
 ``--moe-mb`` it compares the MoE-like state with the same bytes in a few tensors, as the MoE restore target
 asks. ``--async-only`` measures only the ``save_async`` stall and its split (layout: flatten or the check against
@@ -46,11 +48,26 @@ from typing import Any
 import torch
 
 import tiersave
+from tiersave.state import flatten
 
 
 def small_state(count: int, nbytes: int = 1024) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(count)
     return {f"experts.{i // 384}.{i % 384}.w": torch.randn(nbytes // 4, generator=g) for i in range(count)}
+
+
+def nested_state(count: int, nbytes: int = 1024) -> dict[str, Any]:
+    """About ``count`` tensors as a model and its Adam state hold them: per parameter of ``nbytes``, the weight
+    in the model's dict and, in the optimizer's state dict, ``step`` (0-d), ``exp_avg`` and ``exp_avg_sq``;
+    plus the optimizer's parameter groups and a few plain values."""
+    g = torch.Generator().manual_seed(count)
+    params = [torch.nn.Parameter(torch.randn(nbytes // 4, generator=g)) for _ in range(max(1, count // 4))]
+    optim = torch.optim.Adam(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn(nbytes // 4, generator=g)
+    optim.step()
+    model = {f"layers.{i // 128}.experts.{i % 128}.w": p.detach() for i, p in enumerate(params)}
+    return {"model": model, "optim": optim.state_dict(), "step": 1, "rng": {"seed": count}}
 
 
 def moe_state(total_mb: int, expert_mib: int) -> dict[str, torch.Tensor]:
@@ -69,9 +86,10 @@ def few_state(total_mb: int, pieces: int = 4) -> dict[str, torch.Tensor]:
 class Case:
     """One state measured with every method; each method keeps its own samples."""
 
-    def __init__(self, label: str, state: dict[str, torch.Tensor], root: str) -> None:
+    def __init__(self, label: str, state: dict[str, Any], root: str) -> None:
         self.label = label
         self.state = state
+        self.count = len(flatten(state).tensors)  # tensors saved (a nested state has more than keys)
         self.root = root
         self.samples: dict[str, list[float]] = {}
         self.ckpt_dir = os.path.join(root, label, "tiersave")
@@ -123,10 +141,13 @@ class Case:
         # a collection owed to garbage of earlier operations (another case's manifests) would land in whichever
         # save allocates next: start each from the same collector state, so each pays only its own
         gc.collect()
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         handle = self.ck.save_async(self.step, self.state)
         blocked = time.perf_counter() - t0
         self.record(method, blocked)
+        # the caller's CPU time: what the stall would be with a core to itself (on a loaded machine the wall
+        # time adds the waits for a core)
+        self.record(f"{method}.cpu", time.thread_time() - c0)
         # Where the stall goes, from the save's own statistics: the layout (flattening the state, or checking
         # it against the previous save's layout; the plan), staging (the copies), and the rest (addresses,
         # opening the shards, the handle).
@@ -181,7 +202,7 @@ def plot(cases: list[Case], path: str, note: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    counts = [len(c.state) for c in cases]
+    counts = [c.count for c in cases]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for method, label in [
         ("save", "save (blocking)"),
@@ -190,7 +211,7 @@ def plot(cases: list[Case], path: str, note: str) -> None:
         ("torch.save", "torch.save + fsync"),
         ("torch.load", "torch.load"),
     ]:
-        per = [c.median(method) / len(c.state) * 1e6 for c in cases]
+        per = [c.median(method) / c.count * 1e6 for c in cases]
         ax.plot(counts, per, marker="o", linestyle="--" if method.startswith("torch") else "-", label=label)
     ax.axhline(5, color="grey", linewidth=0.8, linestyle=":", label="5 us target (save_async)")
     ax.set_xscale("log")
@@ -212,6 +233,11 @@ def fmt(seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--counts", type=int, nargs="*", default=[2000, 20000, 100000], help="tensors of 1 KiB")
+    p.add_argument(
+        "--nested",
+        action="store_true",
+        help="states as a model and its Adam state hold them (model dict + optimizer state dict) instead of flat dicts",
+    )
     p.add_argument("--moe-mb", type=int, default=1024, help="MoE-like state size in MiB (0: skip)")
     p.add_argument("--expert-mib", type=int, default=4, help="MiB per expert tensor")
     p.add_argument("--runs", type=int, default=3)
@@ -235,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="many-tensors-", dir=args.dir)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     try:
-        cases: list[Case] = [Case(f"{n}x1KiB", small_state(n), root) for n in args.counts]
+        if args.nested:
+            cases: list[Case] = [Case(f"nested-{n}x1KiB", nested_state(n), root) for n in args.counts]
+        else:
+            cases = [Case(f"{n}x1KiB", small_state(n), root) for n in args.counts]
         if args.moe_mb:
             cases.append(Case(f"moe-{args.expert_mib}MiB", moe_state(args.moe_mb, args.expert_mib), root))
             cases.append(Case("few-large", few_state(args.moe_mb), root))
@@ -267,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.async_only:
             print(f"load average {os.getloadavg()[0]:.1f} at the end; {os.cpu_count()} cpus", file=sys.stderr)
             for case in cases:
-                n = len(case.state)
+                n = case.count
                 for method, what in (("async", "layout reused"), ("fresh", "laid out afresh")):
                     split = " / ".join(
                         f"{case.median(f'{method}.{k}') / n * 1e6:.2f}" for k in ("flatten", "stage", "rest")
@@ -275,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"{case.label}, {what}: save_async blocked {fmt(case.median(method)).strip()} = "
                         f"{case.median(method) / n * 1e6:.2f} us per tensor (layout / copies / rest: {split}; "
-                        f"runs {', '.join(f'{x / n * 1e6:.2f}' for x in case.samples[method])})"
+                        f"runs {', '.join(f'{x / n * 1e6:.2f}' for x in case.samples[method])}); "
+                        f"caller's CPU {case.median(f'{method}.cpu') / n * 1e6:.2f} us per tensor"
                     )
             for case in cases:
                 case.close()
@@ -287,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         print("-" * len(header))
         for case in cases:
             med = {m: case.median(m) for m in methods}
-            n = len(case.state)
+            n = case.count
             print(
                 f"{case.label:>14} | "
                 + " | ".join(f"{fmt(med[m]):>12}" for m in methods)
@@ -299,19 +329,17 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 "\nper tensor (us): "
                 + ", ".join(
-                    f"{len(c.state)}: save {c.median('save') / len(c.state) * 1e6:.1f} / "
-                    f"async {c.median('async') / len(c.state) * 1e6:.1f} / "
-                    f"restore {c.median('restore') / len(c.state) * 1e6:.1f}"
+                    f"{c.count}: save {c.median('save') / c.count * 1e6:.1f} / "
+                    f"async {c.median('async') / c.count * 1e6:.1f} / "
+                    f"restore {c.median('restore') / c.count * 1e6:.1f}"
                     for c in small
                 )
             )
             print(
                 "save_async stall per tensor (us; flatten / layout+plan+addresses / copies): "
                 + ", ".join(
-                    f"{len(c.state)}: "
-                    + " / ".join(
-                        f"{c.median(f'async.{k}') / len(c.state) * 1e6:.1f}" for k in ("flatten", "rest", "stage")
-                    )
+                    f"{c.count}: "
+                    + " / ".join(f"{c.median(f'async.{k}') / c.count * 1e6:.1f}" for k in ("flatten", "rest", "stage"))
                     for c in small
                 )
             )
@@ -327,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({c.label: {"tensors": len(c.state), **c.samples} for c in cases}, f, indent=1)
+                json.dump({c.label: {"tensors": c.count, **c.samples} for c in cases}, f, indent=1)
         if args.profile:
             profile(cases[len(small) - 1] if small else cases[0], args.profile, args.top)
         for case in cases:

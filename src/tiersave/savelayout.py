@@ -29,7 +29,7 @@ from .format.layout import align_up, shard_filename
 from .knobs import reuse_layout
 from .reflatten import Layout, flatten_layout, reflatten
 from .replicated import Selection, assign, check_keys, fingerprints, select
-from .state import FlatState, FlatTensor
+from .state import FlatState, FlatTensor, flatten
 
 _NO_SOURCE = torch.empty(0)
 """The source of the replicated tensors a cached selection names: the cache keeps no tensor alive."""
@@ -42,16 +42,34 @@ class SaveLayout:
     Attributes:
         flat: the flattened state (its tensors are this save's).
         selection: the replicated part (a collective save declaring ``replicated``), else None.
-        tensors: the tensors this rank writes, in the plan's order.
+        own: the indices of the flattened tensors this rank writes, in the plan's order (None: all of them).
         plan: where they go.
         reused: True when the previous save's layout was reused (checked against this state).
     """
 
     flat: FlatState
     selection: Selection | None
-    tensors: list[FlatTensor]
+    own: list[int] | None
     plan: SavePlan
     reused: bool
+
+    @property
+    def tensors(self) -> list[FlatTensor]:
+        """The tensors this rank writes (a ``FlatTensor`` each, made on first use)."""
+        every = self.flat.tensors
+        return every if self.own is None else [every[i] for i in self.own]
+
+    @property
+    def sources(self) -> list[Any]:
+        """Their values, without a ``FlatTensor`` per tensor."""
+        every = self.flat.sources
+        return every if self.own is None else list(map(every.__getitem__, self.own))
+
+    @property
+    def addresses(self) -> list[int | None]:
+        """Their host addresses (``FlatTensor.address``)."""
+        every = self.flat.addresses
+        return every if self.own is None else list(map(every.__getitem__, self.own))
 
 
 @dataclass
@@ -113,29 +131,28 @@ class LayoutCache:
         kept = self._kept if enabled else None
         flat = reflatten(state, kept.layout) if kept is not None else None
         reused = flat is not None
-        if flat is None:
+        if flat is None and not enabled:
+            flat = flatten(state)
+        elif flat is None:
             flat, layout = flatten_layout(state)
-            kept = _Kept(layout) if layout is not None and enabled else None
-            if enabled:
-                self._kept = kept
+            kept = self._kept = _Kept(layout) if layout is not None else None
         if kept is not None and (not reused or kept.keys != replicated or kept.plan_for is None):
             kept.plan = kept.plan_for = None
         selection: Selection | None
         if reused and kept is not None and kept.keys == replicated and kept.plan_for is not None:
             if replicated:
                 check_keys(state, flat, replicated)
-            selection = kept.selection
-            tensors = flat.tensors if kept.own is None else [flat.tensors[i] for i in kept.own]
-            padded = kept.padded
+            selection, own, padded = kept.selection, kept.own, kept.padded
         else:
             selection, tensors = self._select(state, flat, replicated, collective)
+            own = None if tensors is flat.tensors else _indices(flat.tensors, tensors)
             padded = sum(align_up(t.nbytes) for t in tensors)
         chunk = chunk_for(padded)
         if kept is not None and kept.plan is not None and kept.plan_for == (chunk, max_shard_bytes):
             self.reuses += 1
-            return SaveLayout(flat, selection, tensors, kept.plan, True)
+            return SaveLayout(flat, selection, own, kept.plan, True)
         plan = plan_save(
-            tensors,
+            flat.tensors if own is None else [flat.tensors[i] for i in own],
             chunk_bytes=chunk,
             shard_file=lambda i: shard_filename(self.rank, i),
             max_shard_bytes=max_shard_bytes,
@@ -143,9 +160,9 @@ class LayoutCache:
         if kept is not None:
             kept.keys, kept.padded, kept.plan, kept.plan_for = replicated, padded, plan, (chunk, max_shard_bytes)
             kept.selection = _stripped(selection)
-            kept.own = None if tensors is flat.tensors else _indices(flat.tensors, tensors)
+            kept.own = own
             self._kept = kept
-        return SaveLayout(flat, selection, tensors, plan, False)
+        return SaveLayout(flat, selection, own, plan, False)
 
     def _select(
         self, state: Any, flat: FlatState, keys: tuple[str, ...], collective: bool

@@ -264,7 +264,7 @@ class Saver:
             )
             stats.flatten_s = time.perf_counter() - started  # with the layout: the time before any copy
             stats.extra["layout_reused"] = lay.reused
-            flat, sel, tensors, plan = lay.flat, lay.selection, lay.tensors, lay.plan
+            flat, sel, plan, sources = lay.flat, lay.selection, lay.plan, lay.sources  # no object per tensor
             if self.group is not None and not blocking:
                 prints = first_prints(state, flat, request.replicated, self.checked_replicated)
             prefix = self.commit.begin(request.step, token)
@@ -275,17 +275,25 @@ class Saver:
                 world = self.group.world_size if self.group is not None else 1
                 increment = Increment(self.storage, plan, rank_base(base, self.rank, world))
                 stats.extra[CHAIN_STAT] = chain_of(increment.base)  # None: a base hashed otherwise
-            sources, addresses = [t.source for t in tensors], [t.address for t in tensors]
+            addresses = lay.addresses
             if blocking and not lazy and increment is None and writes_from_source(self.storage, sources, addresses):
                 # the caller waits until durable and the page cache copy is the snapshot: no staging copy
                 job = SourceWrite(self.storage, prefix, plan, sources, self.pool, addresses)
                 stats.extra["unstaged"] = True
             else:
                 job = StagedWrite(
-                    self.storage, prefix, plan, sources, self.arena, self.pool, self.copier, increment, addresses
+                    self.storage,
+                    prefix,
+                    plan,
+                    sources,
+                    self.arena,
+                    self.pool,
+                    self.copier,
+                    increment=increment,
+                    addresses=addresses,
                 )
             if lazy:
-                staging = self.guard.start(job, tensors, request.step, stats)
+                staging = self.guard.start(job, lay.tensors, request.step, stats)
             if staging is None:
                 job.stage(overlap=blocking)  # async: shortest stall; blocking: shortest time to durable
         except BaseException as exc:
@@ -308,7 +316,7 @@ class Saver:
         stats.stage_wait_s = job.ring.waited_s
         stats.tensor_bytes = sum(plan.nbytes)  # this rank's: replicated tensors count once
         stats.stored_bytes = plan.total_bytes
-        stats.num_tensors = len(tensors)
+        stats.num_tensors = len(sources)
         stats.blocked_s = time.perf_counter() - started
         stats.extra["io_before"] = io_before
         b = base.step if base is not None else None

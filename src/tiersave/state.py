@@ -15,8 +15,8 @@ Anything else raises :class:`UnsupportedStateError` naming its path. Nothing is 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 # accepted dtypes (not quantized): their stored name, element size and whether they are complex
 _FAST_DTYPES: dict[torch.dtype, tuple[str, int, bool]] = {}
+_SELF_ENCODED = frozenset({int, str, bool, type(None)})  # the values whose encoding is the value itself
 
 
 def tensor_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
@@ -136,14 +137,58 @@ class FlatTensor:
     read while flattening so that staging need not read it again; None: the stager makes a byte view."""
 
 
-@dataclass
+class Columns(NamedTuple):
+    """A flattened state's unique tensors as columns, one entry per tensor in the flattened order (what a
+    replayed layout gives: reflatten.py); each ``FlatTensor`` is made only when asked for."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    nbytes: list[int]
+    sources: list[torch.Tensor | np.ndarray]
+    addresses: list[int | None]
+
+
 class FlatState:
-    tree: Any
-    tensors: list[FlatTensor] = field(default_factory=list)
+    """A state as its JSON tree and the unique tensors it references, in order: either as :class:`FlatTensor`
+    objects (``flatten``) or as :class:`Columns` (a replay), whose ``FlatTensor`` objects are made on the first
+    read of :attr:`tensors`. A save of 10^5 tensors reads only :attr:`sources` and :attr:`addresses`: no
+    object per tensor on the caller's thread.
+
+    The tree may share subtrees with an earlier save's (reflatten.py): it is never changed in place."""
+
+    __slots__ = ("_columns", "_tensors", "tree")
+
+    def __init__(self, tree: Any, tensors: list[FlatTensor] | None = None, *, columns: Columns | None = None) -> None:
+        self.tree = tree
+        self._tensors = tensors if tensors is not None or columns is not None else []
+        self._columns = columns
+
+    @property
+    def tensors(self) -> list[FlatTensor]:
+        if self._tensors is None:
+            c = self._columns
+            assert c is not None
+            self._tensors = list(map(FlatTensor, c.names, c.dtypes, c.shapes, c.nbytes, c.sources, c.addresses))
+        return self._tensors
+
+    @property
+    def sources(self) -> list[torch.Tensor | np.ndarray]:
+        """Each unique tensor's value (``FlatTensor.source``)."""
+        if self._columns is not None:
+            return self._columns.sources
+        return [t.source for t in self.tensors]
+
+    @property
+    def addresses(self) -> list[int | None]:
+        """Each unique tensor's host address when its bytes can be copied as they lie (``FlatTensor.address``)."""
+        if self._columns is not None:
+            return self._columns.addresses
+        return [t.address for t in self.tensors]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+        return sum(self._columns.nbytes) if self._columns is not None else sum(t.nbytes for t in self.tensors)
 
 
 def _path_join(path: str, key: Any) -> str:
@@ -338,7 +383,10 @@ class _Flattener:
             if metadata is not None:
                 return {T.T_STATEDICT: {"entries": encoded, "metadata": self.encode(metadata, path)}}
             return encoded
-        items = [self.encode(v, _path_join(path, i)) for i, v in enumerate(obj)]
+        if _SELF_ENCODED.issuperset(map(type, obj)):  # e.g. an optimizer's parameter indices: one per parameter
+            items = list(obj)
+        else:
+            items = [self.encode(v, _path_join(path, i)) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else {T.T_TUPLE: items}
 
     def _check_key(self, key: Any, path: str) -> None:

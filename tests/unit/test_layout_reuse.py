@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from tiersave import Checkpointer
-from tiersave.errors import ConfigError
+from tiersave.errors import ConfigError, UnsupportedStateError
 from tiersave.knobs import override_env
 from tiersave.reflatten import flatten_layout, reflatten
 from tiersave.savelayout import LayoutCache
@@ -43,7 +44,20 @@ def base_state() -> dict[str, Any]:
         "listed": [torch.arange(5), {"x": torch.ones(2, 3)}],
         "step": 7,
         "rng": {"seed": 3, "name": "x"},
+        "sd": model.state_dict(),  # an OrderedDict with torch's _metadata: wrapped in a $statedict tag
+        "keyed": {1: torch.randn(3), 2.5: torch.randn(2), (1, "a"): torch.randn(2), None: torch.ones(1)},
+        "records": {i: {"m": torch.randn(4), "v": torch.randn(4)} for i in range(6)},  # like an optimizer's state
+        "square": torch.randn(3, 3),
+        "complex": torch.randn(4, dtype=torch.complex64),
+        "ids": list(range(10)),
+        "pair": [torch.randn(2), torch.randn(2)],
+        "ints": {1: torch.randn(2), 2: torch.randn(2)},  # int keys alone: compared by value and class
+        "strided": torch.randn(64).as_strided((4, 4), (8, 2)),
     }
+
+
+class StrKey(str):
+    """A str subclass: equal to its text, but a dict key the flatten refuses."""
 
 
 def same_flat(a: FlatState, b: FlatState) -> None:
@@ -87,7 +101,40 @@ CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
     "list grew": lambda s: s["listed"].append(torch.zeros(1)),
     "parameter .data assigned": lambda s: setattr(s["model"][1].weight, "data", torch.randn(2, 8)),
     "neg view": lambda s: s["experts"].__setitem__("e6", s["experts"]["e6"]._neg_view()),
+    "conj view": lambda s: s.__setitem__("complex", s["complex"].conj()),
+    "other strides (same shape and memory)": lambda s: s.__setitem__(
+        "strided", s["strided"].as_strided((4, 4), (16, 1))
+    ),
+    "transposed square (same shape and memory)": lambda s: s.__setitem__("square", s["square"].t()),
+    "dict became an OrderedDict": lambda s: s.__setitem__("experts", OrderedDict(s["experts"])),
+    "_metadata dropped": lambda s: s.__setitem__("sd", dict(s["sd"])),
+    "_metadata added": lambda s: s.__setitem__("experts", _with_metadata(s["experts"])),
+    "list became a tuple": lambda s: s.__setitem__("pair", tuple(s["pair"])),
+    "int key became a bool": lambda s: s.__setitem__("ints", _rekeyed(s["ints"], 1, True)),
+    "int key became a bool among other keys": lambda s: s.__setitem__("keyed", _rekeyed(s["keyed"], 1, True)),
+    "float key 2.5 became an int": lambda s: s.__setitem__("keyed", _rekeyed(s["keyed"], 2.5, 2)),
+    "tuple key item became a float": lambda s: s.__setitem__("keyed", _rekeyed(s["keyed"], (1, "a"), (1.0, "a"))),
+    "record gained a key": lambda s: s["records"][3].__setitem__("w", torch.randn(4)),
+    "record lost a key": lambda s: s["records"][3].pop("v"),
+    "record became a list": lambda s: s["records"].__setitem__(2, list(s["records"][2].values())),
+    "record value became a number": lambda s: s["records"][5].__setitem__("m", 1.0),
+    "record reordered": lambda s: s["records"].__setitem__(1, {"v": s["records"][1]["v"], "m": s["records"][1]["m"]}),
+    "optimizer state gained a tensor": lambda s: next(iter(s["optim"].state.values())).__setitem__("x", torch.ones(1)),
+    "stateful object replaced by its state": lambda s: s.__setitem__("optim", s["optim"].state_dict()),
+    "tensor replaced by a parameter over it": lambda s: s["experts"].__setitem__(
+        "e7", torch.nn.Parameter(s["experts"]["e7"])
+    ),
 }
+
+
+def _with_metadata(d: dict[str, Any]) -> OrderedDict[str, Any]:
+    out: OrderedDict[str, Any] = OrderedDict(d)
+    out._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    return out
+
+
+def _rekeyed(d: dict[Any, Any], old: Any, new: Any) -> dict[Any, Any]:
+    return {(new if k == old and type(k) is type(old) else k): v for k, v in d.items()}
 
 
 @pytest.mark.parametrize("change", sorted(CHANGES))
@@ -193,3 +240,47 @@ def test_a_reused_selection_still_checks_the_declared_keys_against_the_state():
     assert lay({"w": w, "step": 2}).reused
     with pytest.raises(ConfigError, match=r"replicated key\(s\) \['step'\] are not in the state"):
         lay({"w": w})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s.__setitem__("experts", _rekeyed(s["experts"], "e0", StrKey("e0"))),  # equal to "e0", refused
+        lambda s: s["rng"].__setitem__("seed", object()),  # where a plain value was
+        lambda s: s["records"].__setitem__(0, _rekeyed(s["records"][0], "m", StrKey("m"))),
+    ],
+    ids=["str subclass key", "unsupported plain value", "str subclass key in a record"],
+)
+def test_what_a_full_flatten_refuses_is_refused_after_a_reuse_too(tmp_path: Path, change: Any) -> None:
+    """A replay accepts only what the flatten would: a state it cannot save raises the flatten's own error."""
+    state = base_state()
+    _, layout = flatten_layout(state)
+    assert layout is not None
+    change(state)
+    assert reflatten(state, layout) is None
+    with pytest.raises(UnsupportedStateError):
+        flatten(state)
+    state = base_state()
+    with Checkpointer(tmp_path, event_log=False, handle_sigterm=False) as ckpt:
+        ckpt.save(1, state)
+        assert _stats_reused(ckpt.save(2, state))
+        change(state)
+        with pytest.raises(UnsupportedStateError):
+            ckpt.save_async(3, state)
+
+
+def test_a_replayed_tree_shares_only_what_names_tensors_and_reads_plain_values_afresh() -> None:
+    """The encodings of containers of tensors are reused from save to save; those holding plain values are
+    made anew, so a save's tree never changes under an earlier save's manifest."""
+    state = base_state()
+    first, layout = flatten_layout(state)
+    assert layout is not None
+    state["rng"]["seed"] = 4
+    state["ids"].append(10)
+    again = reflatten(state, layout)
+    assert again is not None
+    assert again.tree["experts"] is first.tree["experts"]  # tensors only: the same encoding
+    assert again.tree is not first.tree and again.tree["rng"] is not first.tree["rng"]
+    assert first.tree["rng"]["seed"] == 3 and again.tree["rng"]["seed"] == 4
+    assert first.tree["ids"] == list(range(10)) and again.tree["ids"] == list(range(11))
+    assert again.tree == flatten(state).tree

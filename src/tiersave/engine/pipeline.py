@@ -46,7 +46,7 @@ from .plan import TensorSpec as TensorSpec
 from .plan import Unit as Unit
 from .plan import plan_layout as plan_layout
 from .plan import plan_save as plan_save
-from .stage import HostCopier, Ring, StagingArena, host_addresses, needs_pinned, small_memmove, source_bytes
+from .stage import HostCopier, Ring, StagingArena, copy_small, host_addresses, needs_pinned, small_memmove, source_bytes
 
 log = logging.getLogger(__name__)
 
@@ -265,15 +265,10 @@ class StagedWrite:
                 first, end = u.tensor, u.end
                 memset(arena_ptr + u.global_offset, 0, u.padded)
                 delta = arena_ptr + u.global_offset - u.file_offset
-                for i, n, offset, addr in zip(
-                    range(first, end), nbytes[first:end], offsets[first:end], addresses[first:end]
-                ):
-                    if n:
-                        if addr is None:
-                            src = source_bytes(sources[i])
-                            keep_alive.append(src)
-                            addr = src.data_ptr()
-                        memmove(delta + offset, addr, n)
+                for i in copy_small(delta, offsets[first:end], addresses[first:end], nbytes[first:end]):
+                    src = source_bytes(sources[first + i])
+                    keep_alive.append(src)
+                    memmove(delta + offsets[first + i], src.data_ptr(), nbytes[first + i])
                 continue
             addr = addresses[u.tensor]
             if addr is None:
