@@ -25,7 +25,7 @@ import torch
 
 from . import partdrain
 from .catalog import CheckpointInfo
-from .collective import check_shards_visible, merge_parts, rank_part
+from .collective import check_shards_visible, encode_global, merge_parts, rank_part
 from .commit import CommitStrategy
 from .engine.increment import Increment
 from .engine.pipeline import GROUP_BYTES, StagedWrite, Written
@@ -430,6 +430,8 @@ class Saver:
         assert self.group is not None
         request, stats = p.request, p.handle.stats
 
+        phases: dict[str, float] = {}
+
         def commit(parts: list[Any]) -> Any:
             t_commit = time.perf_counter()
             manifest = merge_parts(
@@ -441,12 +443,18 @@ class Saver:
                 metadata=request.metadata,
                 stats=stats.to_json(),
             )
+            phases["merge_s"] = time.perf_counter() - t_commit
             check_shards_visible(self.storage, p.prefix, manifest, self.node_ranks)
-            data = manifest.to_json()
+            t_encode = time.perf_counter()
+            data = encode_global(manifest)
+            phases["encode_s"] = time.perf_counter() - t_encode
+            phases["manifest_bytes"] = len(data)
             if manifest.referenced_steps:  # the ranks' references, parsed as any reader will, and still held
                 Manifest.parse(data, path=f"step {request.step}", expect_step=request.step)
                 check_holders(self.storage, manifest)
+            t_write = time.perf_counter()
             self.commit.commit(p.prefix, request.step, data)
+            phases["write_s"] = time.perf_counter() - t_write
             p.manifest = manifest
             stats.commit_s = time.perf_counter() - t_commit
             info = CheckpointInfo.from_manifest(manifest, self.catalog.location(request.step))
@@ -457,10 +465,16 @@ class Saver:
                     result["drains"] = p.drains.decide(request.step)
             return result
 
-        part = rank_part(
-            self.rank, written.shards, written.tensors, p.tree, p.replicated, written.content_hash, p.prints
-        )
+        t_part = time.perf_counter()
+        try:
+            part = rank_part(
+                self.rank, written.shards, written.tensors, p.tree, p.replicated, written.content_hash, p.prints
+            )
+        except Exception as exc:  # vote no with it: the other ranks must not wait for this rank's vote
+            raise _vote_no(self.group, request.step, exc) from exc
+        phases["part_s"] = time.perf_counter() - t_part
         outcome = self.group.vote(request.step, part, commit=commit if self.rank == 0 else None)
+        stats.extra["vote"] = {**self.group.last_timing, **phases}  # who waited for whom, and rank 0's commit
         if p.prints is not None:  # every rank's fingerprints agreed (rank 0 committed only then)
             self.checked_replicated.add(request.replicated)
         if self.incremental is not None:
