@@ -214,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
             args.root_path = Path(args.root)
             out = tempfile.mkdtemp(prefix=f"out-{world}-", dir=base)
             mp.start_processes(_rank, args=(world, args, _free_port(), out), nprocs=world, start_method="spawn")
-            by_rank = {r: json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)}
+            by_rank = {}
+            for r in range(world):
+                with open(os.path.join(out, f"rank{r}.json")) as f:
+                    by_rank[r] = json.load(f)
             summary = summarize(world, by_rank)
             summary["load_average"] = os.getloadavg()[0]
             summaries.append(summary)

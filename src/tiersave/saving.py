@@ -25,7 +25,7 @@ import torch
 
 from . import partdrain
 from .catalog import CheckpointInfo
-from .collective import check_shards_visible, encode_global, merge_parts, rank_part
+from .collective import check_shards_visible, global_manifest, rank_part
 from .commit import CommitStrategy
 from .engine.increment import Increment
 from .engine.pipeline import GROUP_BYTES, StagedWrite, Written
@@ -434,21 +434,17 @@ class Saver:
 
         def commit(parts: list[Any]) -> Any:
             t_commit = time.perf_counter()
-            manifest = merge_parts(
+            manifest, data = global_manifest(
                 request.step,
                 parts,
+                phases,
                 chunk_bytes=written.chunk_bytes,
                 metrics=request.metrics,
                 tags=request.tags,
                 metadata=request.metadata,
                 stats=stats.to_json(),
             )
-            phases["merge_s"] = time.perf_counter() - t_commit
             check_shards_visible(self.storage, p.prefix, manifest, self.node_ranks)
-            t_encode = time.perf_counter()
-            data = encode_global(manifest)
-            phases["encode_s"] = time.perf_counter() - t_encode
-            phases["manifest_bytes"] = len(data)
             if manifest.referenced_steps:  # the ranks' references, parsed as any reader will, and still held
                 Manifest.parse(data, path=f"step {request.step}", expect_step=request.step)
                 check_holders(self.storage, manifest)
