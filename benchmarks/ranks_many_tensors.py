@@ -182,7 +182,12 @@ def summarize(world: int, by_rank: dict[int, list[dict[str, Any]]]) -> dict[str,
             k: statistics.median(row["save_vote"].get(k, float("nan")) for row in r0)
             for k in ("part_s", "gather_s", "decide_s", "merge_s", "encode_s", "write_s", "reply_s", "bytes_in")
         },
+        "rank0_async_vote": {
+            k: statistics.median(row["async_vote"].get(k, float("nan")) for row in r0)
+            for k in ("part_s", "gather_s", "decide_s", "merge_s", "encode_s", "write_s")
+        },
         "others_wait_s": others_wait("save_vote") if world > 1 else 0.0,
+        "others_async_wait_s": others_wait("async_vote") if world > 1 else 0.0,
         "others_part_s": statistics.median(
             max(by_rank[r][i]["save_vote"].get("part_s", 0.0) for r in by_rank if r != 0) for i in range(runs)
         )
