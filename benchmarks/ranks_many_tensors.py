@@ -13,8 +13,15 @@ state of about ``--tensors-per-rank`` small tensors of ``--tensor-kib`` KiB: its
   the global manifest, the compact encoding, the write) and its reply, against the other ranks' wait;
 
 and, on rank 0: the global manifest's size and its parse time (``Manifest.parse``), and the process's memory
-peak (``ru_maxrss``). Runs alternate nothing else: compare with another tree by running this script with that
-tree's ``src`` first on ``PYTHONPATH`` in the same minutes.
+peak (``ru_maxrss``).
+
+``--rank0-cpu`` measures rank 0's commit path alone, in this process, in CPU seconds (``time.process_time``,
+fair on a loaded machine): one rank's part is built from a real single-process save of the state, copied
+for each of ``--ranks`` ranks and encoded as it travels; then the parts are decoded, merged
+(``collective.merge_parts``) and the global manifest encoded, as rank 0 does in the vote.
+
+Compare with another tree by running this script with that tree's ``src`` first on ``PYTHONPATH``, alternating,
+in the same minutes.
 
 Usage::
 
@@ -141,6 +148,46 @@ def _rank(rank: int, world: int, args: argparse.Namespace, port: int, out: str) 
     dist.destroy_process_group()
 
 
+def rank0_cpu(world: int, args: argparse.Namespace, base: str) -> dict[str, Any]:
+    """Rank 0's decode + merge + encode of ``world`` parts of one rank's real part, in CPU seconds."""
+    from pathlib import Path
+
+    import tiersave
+    from tiersave.collective import merge_parts, rank_part
+    from tiersave.dist.wire import decode_json, encode_json
+    from tiersave.format.layout import MANIFEST_NAME, step_dirname
+    from tiersave.format.manifest import Manifest
+
+    root = Path(base) / "single"
+    with tiersave.Checkpointer(root, event_log=False, handle_sigterm=False) as ckpt:
+        ckpt.save(1, moe_state(0, args.tensors_per_rank, int(args.tensor_kib * 1024), 1))
+    m = Manifest.parse((root / step_dirname(1) / MANIFEST_NAME).read_bytes(), path="bench")
+    one = json.dumps(decode_json(encode_json(rank_part(0, m.shards, m.tensors, m.tree))))
+    payloads = []
+    for r in range(world):  # rank r's part: the same tensors under its own shard files and names
+        text = one.replace("shard-00000-", f"shard-{r:05d}-").replace("rank-00000/", f"rank-{r:05d}/")
+        doc = json.loads(text)
+        doc["rank"] = r
+        payloads.append(encode_json({"ok": True, "doc": {"step": 1, "ok": True, "payload": doc, "error": None}}))
+    start = time.process_time()
+    parts = [decode_json(p)["doc"]["payload"] for p in payloads]  # type: ignore[index,call-overload]
+    decoded = time.process_time()
+    merged = merge_parts(1, parts, chunk_bytes=m.chunk_bytes, metrics={}, tags=(), metadata={}, stats={})
+    done_merge = time.process_time()
+    data = merged.to_json()
+    end = time.process_time()
+    return {
+        "ranks": world,
+        "tensors": len(merged.tensors),
+        "manifest_bytes": len(data),
+        "part_bytes": len(payloads[0]),
+        "cpu_s": end - start,
+        "decode_cpu_s": decoded - start,
+        "merge_cpu_s": done_merge - decoded,
+        "encode_cpu_s": end - done_merge,
+    }
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -205,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where the roots go (default: a temporary directory)")
     p.add_argument("--json", default=None, help="write the summaries here")
     p.add_argument("--timeout", type=float, default=600.0, help="coordination_timeout_s of every rank")
+    p.add_argument("--rank0-cpu", action="store_true", help="only rank 0's commit path, in this process (CPU s)")
     args = p.parse_args(argv)
     if any(n < 1 for n in args.ranks) or args.tensors_per_rank < 1 or args.tensor_kib <= 0 or args.runs < 1:
         p.error("--ranks, --tensors-per-rank, --tensor-kib and --runs must be positive")
@@ -214,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for world in args.ranks:
             from pathlib import Path
+
+            if args.rank0_cpu:
+                summaries.append(rank0_cpu(world, args, base))
+                print(json.dumps(summaries[-1]), flush=True)
+                continue
 
             args.root = os.path.join(base, f"root-{world}")
             args.root_path = Path(args.root)
