@@ -127,6 +127,7 @@ def rank_key(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
+@paused_gc()  # tens of thousands of small acyclic objects: no collection rescanning them as they are made
 def rank_part(
     rank: int,
     shards: Sequence[ShardInfo],
@@ -149,19 +150,6 @@ def rank_part(
     Raises:
         ConfigError: replicated keys were declared but the tree is not a dict (the rank votes no with it).
     """
-    with paused_gc():  # tens of thousands of small acyclic objects
-        return _rank_part(rank, shards, tensors, tree, replicated, content_hash, prints)
-
-
-def _rank_part(
-    rank: int,
-    shards: Sequence[ShardInfo],
-    tensors: Mapping[str, TensorEntry],
-    tree: Any,
-    replicated: Selection | None,
-    content_hash: str,
-    prints: Mapping[str, str] | None,
-) -> dict[str, Any]:
     shared = replicated.names if replicated is not None else frozenset()
     prefix = rank_key(rank) + "/"
     own = [t for t in tensors.values() if t.name not in shared] if shared else list(tensors.values())
@@ -239,6 +227,7 @@ def _int(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
+@paused_gc()  # an entry per tensor of every rank
 def merge_parts(
     step: int,
     parts: Sequence[Any],
@@ -262,19 +251,6 @@ def merge_parts(
         ConfigError: a part does not come from the rank at its position, is malformed, or the ranks disagree
             on the replicated state.
     """
-    with paused_gc():  # an entry per tensor of every rank: no collection rescanning them as they are made
-        return _merge(step, parts, chunk_bytes, metrics, tags, metadata, stats)
-
-
-def _merge(
-    step: int,
-    parts: Sequence[Any],
-    chunk_bytes: int,
-    metrics: Mapping[str, float],
-    tags: tuple[str, ...],
-    metadata: Mapping[str, Any],
-    stats: Mapping[str, Any],
-) -> Manifest:
     shards: list[ShardInfo] = []
     columns: list[list[Any]] = [[] for _ in range(7)]
     tree: dict[str, Any] = {}
