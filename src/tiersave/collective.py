@@ -24,13 +24,23 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
+import operator
+import re
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
+from itertools import accumulate, chain, repeat
 from typing import TYPE_CHECKING, Any
 
 from .commit import tmp_token
-from .errors import ConfigError, CorruptCheckpointError, ObjectNotFoundError, StateMismatchError
-from .format.manifest import Manifest, ShardInfo, TensorEntry
+from .errors import ConfigError, CorruptCheckpointError, FormatError, ObjectNotFoundError, StateMismatchError
+from .format import layout as _layout
+from .format.columns import ranges_ok
+from .format.dtypes import DTYPES
+from .format.jsonsafe import paused_gc
+from .format.layout import ALIGN
+from .format.manifest import Manifest, ShardInfo, TensorEntry, _entries
 from .format.tree import T_NDARRAY, T_TENSOR, escape_key
 from .replicated import REPLICATED_PREFIX, Selection, check_agreement
 from .storage.base import Storage
@@ -38,7 +48,23 @@ from .storage.base import Storage
 if TYPE_CHECKING:  # pragma: no cover
     from .dist import CoordinationGroup
 
-__all__ = ["Collective", "join", "merge_parts", "rank_key", "rank_part", "rank_view", "shared_shards"]
+__all__ = [
+    "Collective",
+    "encode_global",
+    "global_manifest",
+    "join",
+    "merge_parts",
+    "rank_key",
+    "rank_part",
+    "rank_view",
+    "shared_shards",
+    "table_columns",
+    "table_entries",
+]
+
+_ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
+_MAX_INT = (1 << 63) - 1
+_HEX = re.compile("[0-9a-f]*")
 
 
 class Collective:
@@ -101,6 +127,7 @@ def rank_key(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
+@paused_gc()  # tens of thousands of small acyclic objects: no collection rescanning them as they are made
 def rank_part(
     rank: int,
     shards: Sequence[ShardInfo],
@@ -110,16 +137,33 @@ def rank_part(
     content_hash: str = "sha256",
     prints: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """What a rank votes with: its shards, its tensor entries (shard indices local to its shards) and its tree;
-    with ``replicated``, the replicated tensors it wrote apart from its own, and the digest of the replicated
-    layout that rank 0 compares across ranks (and, at an async save that checks the declaration, the
-    fingerprints of the replicated state, replicated.fingerprints); with content hashes (an incremental save),
-    their function."""
+    """What a rank votes with: its shards, its tensors as columns (:func:`table_columns`, shard indices local
+    to its shards) and its tree, whose references already carry their names in the global manifest (this
+    rank's ``rank-RRRRR/``, or ``replicated/`` under a declared key); with ``replicated``, the replicated
+    tensors it wrote apart from its own, and the digest of the replicated layout that rank 0 compares across
+    ranks (and, at an async save that checks the declaration, the fingerprints of the replicated state,
+    replicated.fingerprints); with content hashes (an incremental save), their function.
+
+    The rank does this work, not rank 0: the ranks build their parts in parallel, and rank 0 only checks the
+    columns (in C, whatever their length) and concatenates them.
+
+    Raises:
+        ConfigError: replicated keys were declared but the tree is not a dict (the rank votes no with it).
+    """
     shared = replicated.names if replicated is not None else frozenset()
+    prefix = rank_key(rank) + "/"
+    own = [t for t in tensors.values() if t.name not in shared] if shared else list(tensors.values())
+    if replicated is None:
+        tree = _prefix_refs(tree, prefix)
+    elif not isinstance(tree, dict):
+        raise ConfigError(f"rank {rank} declared replicated keys but its state is not a dict")
+    else:
+        keys = {escape_key(k) for k in replicated.keys}
+        tree = {k: _prefix_refs(v, REPLICATED_PREFIX if k in keys else prefix) for k, v in tree.items()}
     part: dict[str, Any] = {
         "rank": rank,
         "shards": [_shard_part(s) for s in shards],
-        "tensors": {name: _entry(t) for name, t in tensors.items() if name not in shared},
+        "table": table_columns(own),
         "tree": tree,
     }
     if any(s.content for s in shards):
@@ -129,11 +173,30 @@ def rank_part(
             "keys": [escape_key(k) for k in replicated.keys],
             "digest": replicated.digest,
             "count": len(replicated.tensors),
-            "tensors": {name: _entry(t) for name, t in tensors.items() if name in shared},
+            "table": table_columns([t for t in tensors.values() if t.name in shared]),
         }
         if prints is not None:
             part["replicated"]["prints"] = dict(prints)
     return part
+
+
+def table_columns(entries: Sequence[TensorEntry]) -> dict[str, Any]:
+    """Tensor entries as the columns a rank sends: names, dtype and shape as indices into small tables,
+    shard (local), offset, nbytes, and every chunk's CRC-32C in one hex string (JSON of a few long lists:
+    about a third of the bytes of one object per tensor, and decoded far faster on rank 0)."""
+    dtype_of: dict[str, int] = {}
+    shape_of: dict[tuple[int, ...], int] = {}
+    return {
+        "names": [t.name for t in entries],
+        "dtype": [dtype_of.setdefault(t.dtype, len(dtype_of)) for t in entries],
+        "shape": [shape_of.setdefault(t.shape, len(shape_of)) for t in entries],
+        "dtypes": list(dtype_of),
+        "shapes": [list(s) for s in shape_of],
+        "shard": [t.shard for t in entries],
+        "offset": [t.offset for t in entries],
+        "nbytes": [t.nbytes for t in entries],
+        "crc32c": "".join(chain.from_iterable(t.crc32c for t in entries)),
+    }
 
 
 def _shard_part(s: ShardInfo) -> dict[str, Any]:
@@ -147,21 +210,24 @@ def _shard_part(s: ShardInfo) -> dict[str, Any]:
 
 
 def _shard_of(step: int, rank: int, raw: Any) -> ShardInfo:
-    """A shard of rank ``rank``'s part, its types checked (the merged manifest is parsed as a whole after)."""
-    content = raw.get("content", [])
-    ref = raw.get("step")
+    """A shard of rank ``rank``'s part, its types checked."""
+    ok = isinstance(raw, dict) and isinstance(raw.get("file"), str) and _int(raw.get("size"))
+    ok = ok and raw["size"] % ALIGN == 0
+    content: Any = raw.get("content", []) if ok else None
+    ref = raw.get("step") if ok else None
     pairs = isinstance(content, list) and all(
         isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], str) for p in content
     )
-    if not pairs or not (ref is None or (isinstance(ref, int) and not isinstance(ref, bool))):
+    if not ok or not pairs or not (ref is None or _int(ref)):
         raise ConfigError(f"step {step}: rank {rank} sent a malformed shard entry {str(raw)[:200]}")
     return ShardInfo(raw["file"], rank, raw["size"], tuple((n, h) for n, h in content), ref)
 
 
-def _entry(t: TensorEntry) -> list[Any]:
-    return [t.dtype, list(t.shape), t.shard, t.offset, t.nbytes, list(t.crc32c)]
+def _int(value: Any) -> bool:
+    return type(value) is int and value >= 0
 
 
+@paused_gc()  # an entry per tensor of every rank
 def merge_parts(
     step: int,
     parts: Sequence[Any],
@@ -172,48 +238,63 @@ def merge_parts(
     metadata: Mapping[str, Any],
     stats: Mapping[str, Any],
 ) -> Manifest:
-    """Rank 0: the global manifest of every rank's part (``parts[r]`` from rank ``r``), validated.
+    """Rank 0: the global manifest of every rank's part (``parts[r]`` from rank ``r``).
+
+    Each rank's part is what a single process would commit for its own state (its pipeline's entries, its
+    flattened tree), so rank 0 checks only what crosses the wire and what no rank can check alone: each
+    part's columns (types, ranges, nbytes against shape and dtype, one checksum per chunk, every tensor
+    inside its shard and none overlapping; column by column, in C), that the ranks declared the same
+    replicated layout and wrote each replicated tensor once. It does not walk the trees or re-validate entry
+    by entry: at 8 ranks x 50,000 tensors that was most of the commit (docs/distributed.md).
 
     Raises:
-        ConfigError: a part does not come from the rank at its position.
-        FormatError: the merged manifest is invalid (a rank sent something malformed).
+        ConfigError: a part does not come from the rank at its position, is malformed, or the ranks disagree
+            on the replicated state.
     """
     shards: list[ShardInfo] = []
-    tensors: dict[str, TensorEntry] = {}
+    columns: list[list[Any]] = [[] for _ in range(7)]
     tree: dict[str, Any] = {}
     layout = _replicated_layout(step, parts)
+    replicated_count = 0
     for rank, part in enumerate(parts):
         base = len(shards)
-        shards.extend(_shard_of(step, rank, s) for s in part["shards"])
-        prefix = rank_key(rank) + "/"
-        _add_entries(tensors, part["tensors"], prefix, base)
-        if layout is None:
-            tree[rank_key(rank)] = _prefix_refs(part["tree"], prefix)
-            continue
-        before = len(tensors)
-        _add_entries(tensors, part["replicated"]["tensors"], REPLICATED_PREFIX, base)
-        if len(tensors) - before != len(part["replicated"]["tensors"]):
-            raise ConfigError(f"step {step}: rank {rank} wrote a replicated tensor that another rank wrote too")
-        keys = set(layout["keys"])
-        if not isinstance(part["tree"], dict):
-            raise ConfigError(f"step {step}: rank {rank} declared replicated keys but its state is not a dict")
-        tree[rank_key(rank)] = {
-            k: _prefix_refs(v, REPLICATED_PREFIX if k in keys else prefix) for k, v in part["tree"].items()
-        }
-    if layout is not None:
-        written = sum(1 for name in tensors if name.startswith(REPLICATED_PREFIX))
-        if written != layout["count"]:
+        raw_shards = part.get("shards")
+        if not isinstance(raw_shards, list):
+            raise ConfigError(f"step {step}: rank {rank} sent no shard list")
+        mine = [_shard_of(step, rank, s) for s in raw_shards]
+        shards.extend(mine)
+        tables = [(part.get("table"), rank_key(rank) + "/")]
+        if layout is not None:
+            tables.append((part["replicated"].get("table"), REPLICATED_PREFIX))
+        got = [table_entries(step, rank, raw, prefix, base, len(mine), chunk_bytes) for raw, prefix in tables]
+        if layout is not None:
+            replicated_count += len(got[1][0])
+        rank_cols = [list(chain.from_iterable(c)) for c in zip(*got, strict=True)]
+        sizes = [s.size for s in mine]
+        local = [shard - base for shard in rank_cols[3]]
+        if not ranges_ok(sizes, local, rank_cols[4], rank_cols[5], ALIGN):
             raise ConfigError(
-                f"step {step}: the ranks wrote {written} of the {layout['count']} replicated tensors: they did not "
-                "assign them alike"
+                f"step {step}: rank {rank} sent tensors outside their shards, overlapping or not {ALIGN}-aligned"
             )
+        for column, values in zip(columns, rank_cols, strict=True):
+            column.extend(values)
+        tree[rank_key(rank)] = part.get("tree")
+    # The manifest parser's fast constructor: the columns were checked above, as the parser checks its own.
+    tensors = dict(zip(columns[0], _entries(tuple(columns)), strict=True))  # type: ignore[arg-type]
+    if len(tensors) != len(columns[0]):
+        raise ConfigError(f"step {step}: {_duplicate(columns[0])!r} was written by more than one rank")
+    if layout is not None and replicated_count != layout["count"]:
+        raise ConfigError(
+            f"step {step}: the ranks wrote {replicated_count} of the {layout['count']} replicated tensors: they "
+            "did not assign them alike"
+        )
     hashes = {part.get("content_hash", "sha256") for part in parts if any("content" in s for s in part["shards"])}
     if len(hashes) > 1:
         raise ConfigError(
             f"step {step}: the ranks hashed their pieces with different functions ({', '.join(sorted(hashes))}): "
             "install the same blake3 package on every node, or set TIERSAVE_CONTENT_HASH alike on every rank"
         )
-    manifest = Manifest(
+    return Manifest(
         step=step,
         shards=tuple(shards),
         tensors=tensors,
@@ -226,14 +307,105 @@ def merge_parts(
         metadata=metadata,
         stats=stats,
     )
-    manifest.validate(path=f"step {step}")
-    return manifest
 
 
-def _add_entries(tensors: dict[str, TensorEntry], entries: Mapping[str, Any], prefix: str, base: int) -> None:
-    for name, (dtype, shape, shard, offset, nbytes, crcs) in entries.items():
-        full = prefix + name
-        tensors[full] = TensorEntry(full, dtype, tuple(shape), base + shard, offset, nbytes, tuple(crcs))
+def global_manifest(step: int, parts: Sequence[Any], phases: dict[str, float], **fields: Any) -> tuple[Manifest, bytes]:
+    """Rank 0: :func:`merge_parts` and :func:`encode_global`, their durations and the manifest's size put in
+    ``phases`` (``merge_s``, ``encode_s``, ``manifest_bytes``: the save's statistics)."""
+    start = time.perf_counter()
+    manifest = merge_parts(step, parts, **fields)
+    merged = time.perf_counter()
+    data = encode_global(manifest)
+    phases.update(merge_s=merged - start, encode_s=time.perf_counter() - merged, manifest_bytes=len(data))
+    return manifest, data
+
+
+def encode_global(manifest: Manifest) -> bytes:
+    """Rank 0: the global manifest's bytes (``Manifest.to_json``), before anything is committed.
+
+    Raises:
+        FormatError: the merged manifest would exceed the manifest cap: naming the ranks, the tensors and the
+            cap (every rank raises it, through the vote, and nothing becomes visible).
+    """
+    try:
+        return manifest.to_json()
+    except FormatError as exc:
+        cap = _layout.MAX_MANIFEST_BYTES  # read at the call: a test lowers it
+        if "-byte limit" not in str(exc):
+            raise
+        raise FormatError(
+            f"step {manifest.step}: the global manifest of {manifest.world_size} ranks and {len(manifest.tensors)} "
+            f"tensors would exceed the {cap}-byte cap of a manifest ({exc}); nothing was "
+            "committed. Save fewer, larger tensors per rank (group small ones), or fewer ranks per checkpoint; "
+            "docs/distributed.md (Scale) gives the limits",
+            path=f"step {manifest.step}",
+        ) from exc
+
+
+def _duplicate(names: list[str]) -> str:
+    seen: set[str] = set()
+    return next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+
+
+def table_entries(
+    step: int, rank: int, raw: Any, prefix: str, base: int, nshards: int, chunk_bytes: int
+) -> tuple[list[Any], ...]:
+    """Rank 0: the columns of a rank's :func:`table_columns` as ``TensorEntry`` fields (names with
+    ``prefix``, shard indices moved by ``base``), every value checked column by column.
+
+    Raises:
+        ConfigError: the table is malformed (naming the rank and what is wrong).
+    """
+
+    def fail(what: str) -> ConfigError:
+        return ConfigError(f"step {step}: rank {rank} sent a malformed tensor table: {what}")
+
+    if type(raw) is not dict:
+        raise fail("not an object")
+    fields: list[Any] = [raw.get(k) for k in ("names", "dtype", "shape", "dtypes", "shapes", "crc32c")]
+    names, dtype, shape, dtypes, shapes, crc = fields
+    cols: list[Any] = [raw.get(k) for k in ("shard", "offset", "nbytes")]
+    shard, offset, nbytes = cols
+    if type(names) is not list or (names and set(map(type, names)) != {str}):
+        raise fail("names must be a list of strings")
+    n = len(names)
+    if any(type(c) is not list or len(c) != n for c in (dtype, shape, shard, offset, nbytes)):
+        raise fail(f"every column must list {n} values")
+    if type(dtypes) is not list or not set(dtypes) <= _ITEMSIZE.keys():
+        raise fail(f"unknown dtype in {str(dtypes)[:200]}")
+    if type(shapes) is not list or not all(type(s) is list and _ints(s, 0, _MAX_INT) for s in shapes):
+        raise fail("shapes must be lists of non-negative ints")
+    if not (_ints(dtype, 0, len(dtypes) - 1) and _ints(shape, 0, len(shapes) - 1)):
+        raise fail("a dtype or shape index is out of range")
+    if not (_ints(shard, 0, nshards - 1) and _ints(offset, 0, _MAX_INT) and _ints(nbytes, 0, _MAX_INT)):
+        raise fail(f"a shard index is not below {nshards}, or an offset or size is not a non-negative int")
+    sizes = {(d, s): math.prod(shapes[s]) * _ITEMSIZE[dtypes[d]] for d, s in set(zip(dtype, shape))}
+    if list(map(sizes.__getitem__, zip(dtype, shape))) != nbytes:
+        raise fail("a tensor's nbytes differs from its shape and dtype")
+    chunks = [-(-size // chunk_bytes) for size in nbytes]
+    if type(crc) is not str or len(crc) != 8 * sum(chunks) or not _HEX.fullmatch(crc):
+        raise fail(f"crc32c must hold 8 hex digits for each of the {sum(chunks)} chunks")
+    crcs = [crc[i : i + 8] for i in range(0, len(crc), 8)]
+    if chunks.count(1) == n:  # one chunk each: the common case of many small tensors
+        per_tensor: list[tuple[str, ...]] = list(zip(crcs, strict=True))
+    else:
+        ends = list(accumulate(chunks))
+        per_tensor = [tuple(crcs[e - c : e]) for c, e in zip(chunks, ends, strict=True)]
+    shape_tuples = [tuple(s) for s in shapes]
+    return (
+        list(map(operator.add, repeat(prefix), names)),
+        list(map(dtypes.__getitem__, dtype)),
+        list(map(shape_tuples.__getitem__, shape)),
+        list(map(operator.add, repeat(base), shard)),
+        offset,
+        nbytes,
+        per_tensor,
+    )
+
+
+def _ints(values: list[Any], lo: int, hi: int) -> bool:
+    """Every value is an int (not a bool) in [lo, hi]; True for an empty list."""
+    return not values or (set(map(type, values)) == {int} and min(values) >= lo and max(values) <= hi)
 
 
 def _replicated_layout(step: int, parts: Sequence[Any]) -> dict[str, Any] | None:

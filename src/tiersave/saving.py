@@ -25,7 +25,7 @@ import torch
 
 from . import partdrain
 from .catalog import CheckpointInfo
-from .collective import check_shards_visible, merge_parts, rank_part
+from .collective import check_shards_visible, global_manifest, rank_part
 from .commit import CommitStrategy
 from .engine.increment import Increment
 from .engine.pipeline import GROUP_BYTES, StagedWrite, Written
@@ -124,6 +124,14 @@ class PendingSave:
     staging: Future[None] | None = None  # a lazy save's background staging, done when every byte is staged
     drains: PartDrains | None = None  # a node-local first tier's drains to later tiers (decided in the vote)
     prints: dict[str, str] | None = None  # the replicated fingerprints this rank votes with (first async save)
+
+
+def shard_cap(max_shard_bytes: int | None, incremental: bool) -> int | None:
+    """``max_shard_bytes``; an incremental save also caps shards at one group of small tensors, so that
+    every large tensor has a shard of its own, which a later save can reference on its own."""
+    if not incremental:
+        return max_shard_bytes
+    return min(max_shard_bytes or GROUP_BYTES, GROUP_BYTES)
 
 
 class Saver:
@@ -260,7 +268,7 @@ class Saver:
                 request.replicated,
                 collective=self.group is not None,
                 chunk_for=self.chunk_for,
-                max_shard_bytes=self._shard_cap(),
+                max_shard_bytes=shard_cap(self.max_shard_bytes, self.incremental is not None),
             )
             stats.flatten_s = time.perf_counter() - started  # with the layout: the time before any copy
             stats.extra["layout_reused"] = lay.reused
@@ -323,13 +331,6 @@ class Saver:
         return PendingSave(
             handle, request, job, prefix, flat.tree, started, started_wall, sel, b, staging=staging, prints=prints
         )
-
-    def _shard_cap(self) -> int | None:
-        """``max_shard_bytes``; an incremental save also caps shards at one group of small tensors, so that
-        every large tensor has a shard of its own, which a later save can reference on its own."""
-        if self.incremental is None:
-            return self.max_shard_bytes
-        return min(self.max_shard_bytes or GROUP_BYTES, GROUP_BYTES)
 
     def _pin_base(self, step: int, full_every: int | None) -> Manifest | None:
         """The checkpoint an incremental save of ``step`` references, pinned until the save settles; None
@@ -438,11 +439,14 @@ class Saver:
         assert self.group is not None
         request, stats = p.request, p.handle.stats
 
+        phases: dict[str, float] = {}
+
         def commit(parts: list[Any]) -> Any:
             t_commit = time.perf_counter()
-            manifest = merge_parts(
+            manifest, data = global_manifest(
                 request.step,
                 parts,
+                phases,
                 chunk_bytes=written.chunk_bytes,
                 metrics=request.metrics,
                 tags=request.tags,
@@ -450,11 +454,12 @@ class Saver:
                 stats=stats.to_json(),
             )
             check_shards_visible(self.storage, p.prefix, manifest, self.node_ranks)
-            data = manifest.to_json()
             if manifest.referenced_steps:  # the ranks' references, parsed as any reader will, and still held
                 Manifest.parse(data, path=f"step {request.step}", expect_step=request.step)
                 check_holders(self.storage, manifest)
+            t_write = time.perf_counter()
             self.commit.commit(p.prefix, request.step, data)
+            phases["write_s"] = time.perf_counter() - t_write
             p.manifest = manifest
             stats.commit_s = time.perf_counter() - t_commit
             info = CheckpointInfo.from_manifest(manifest, self.catalog.location(request.step))
@@ -465,10 +470,16 @@ class Saver:
                     result["drains"] = p.drains.decide(request.step)
             return result
 
-        part = rank_part(
-            self.rank, written.shards, written.tensors, p.tree, p.replicated, written.content_hash, p.prints
-        )
+        t_part = time.perf_counter()
+        try:
+            part = rank_part(
+                self.rank, written.shards, written.tensors, p.tree, p.replicated, written.content_hash, p.prints
+            )
+        except Exception as exc:  # vote no with it: the other ranks must not wait for this rank's vote
+            raise _vote_no(self.group, request.step, exc) from exc
+        phases["part_s"] = time.perf_counter() - t_part
         outcome = self.group.vote(request.step, part, commit=commit if self.rank == 0 else None)
+        stats.extra["vote"] = {**self.group.last_timing, **phases}  # who waited for whom, and rank 0's commit
         if p.prints is not None:  # every rank's fingerprints agreed (rank 0 committed only then)
             self.checked_replicated.add(request.replicated)
         if self.incremental is not None:

@@ -84,6 +84,9 @@ class Channel:
         self.poison: DistributedCheckpointError | None = None
         self._poison_report: dict[str, Json] | None = None
         self._notified = False
+        # Where the last exchange spent its time on this rank (rank 0: gather / decide / reply; the others:
+        # send / wait), for the save's statistics: what a many-rank commit costs and who waits for whom.
+        self.last_timing: dict[str, float] = {}
         # Tensors and works of exchanges that failed mid-flight: gloo may still write into (or read from)
         # them, so they must outlive the exchange; a poisoned channel holds at most one exchange's worth.
         self._graveyard: list[object] = []
@@ -105,6 +108,7 @@ class Channel:
             self._owner = threading.get_ident()
             try:
                 self._seq += 1
+                self.last_timing = {}
                 if self.poison is not None:
                     raise self._refuse(op, step) from self.poison
                 entered = time.monotonic()
@@ -259,7 +263,9 @@ class Channel:
             except Exception as exc:
                 lost[r] = _comm_report(exc, what=f"receiving rank {r}'s {op} document failed")
 
+        gathered = time.monotonic()
         report = self._judge(op, step, envelopes, docs, lost, skewed, reply, fail_phase)
+        decided = time.monotonic()
         down: Json = {"ok": True, "doc": report[1]} if report[0] is None else {"ok": False, "failure": report[0]}
         try:
             out_payload = encode_json(down)
@@ -298,6 +304,12 @@ class Channel:
                     work.wait(seconds(self.timeout_s))
             except Exception as exc:
                 undelivered[r] = _comm_report(exc, what=f"sending the {op} outcome to rank {r} failed")
+        self.last_timing = {
+            "gather_s": gathered - entered,
+            "decide_s": decided - gathered,
+            "reply_s": time.monotonic() - decided,
+            "bytes_in": float(len(own_payload) + sum(h.nbytes for _, _, h in payload_works.values())),
+        }
         failure = report[0]
         if failure is not None and failure.get("poison"):
             self._poison_by(failure, held)
@@ -395,6 +407,7 @@ class Channel:
             if header.nbytes:
                 self._irecv(buf, 0, _TAG_DOWN_PAYLOAD).wait(seconds(max(deadline - time.monotonic(), self.timeout_s)))
             down = decode_json(buf.numpy().tobytes())
+            self.last_timing = {"wait_s": time.monotonic() - entered, "bytes_out": float(len(own_payload))}
         except Exception as exc:
             if isinstance(exc, _OutOfStep):
                 what = str(exc)

@@ -155,6 +155,15 @@ class CoordinationGroup:
         """True once a communication failure made the group unusable (every call then raises at once)."""
         return self._channel.poison is not None
 
+    @property
+    def last_timing(self) -> dict[str, float]:
+        """Where this rank's last call spent its time, in seconds: on rank 0 ``gather_s`` (entering the call
+        to every document in), ``decide_s`` (the decision, a vote's commit callback included) and
+        ``reply_s`` (sending the outcome), ``bytes_in`` (the documents' size); on the others ``wait_s``
+        (entering the call to the reply in) and ``bytes_out``. After a failed call, what was measured before
+        it failed (possibly nothing)."""
+        return dict(self._channel.last_timing)
+
     def _setup(
         self, node_rank: int | None, local_rank: int | None, hostname: str | None
     ) -> tuple[tuple[NodeIdentity, ...], str]:

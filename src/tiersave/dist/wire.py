@@ -25,6 +25,7 @@ from typing import TypeAlias
 
 from .. import errors as _errors
 from ..errors import DistributedCheckpointError, TiersaveError
+from ..format.jsonsafe import paused_gc
 
 __all__ = [
     "HEADER_WORDS",
@@ -58,12 +59,14 @@ def encode_json(doc: Json) -> bytes:
         TypeError: ``doc`` holds something JSON cannot represent (an object, bytes, a tensor).
         ValueError: ``doc`` holds a NaN or an infinity (not JSON; it would not round-trip), or a cycle.
     """
-    return json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    with paused_gc():  # a rank's part of a save lists every tensor: no collection in the middle of it
+        return json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
 def decode_json(data: bytes) -> Json:
     """The document :func:`encode_json` made ``data`` from."""
-    doc: Json = json.loads(data.decode("utf-8")) if data else None
+    with paused_gc():  # millions of acyclic objects from a many-rank vote: collections would rescan them all
+        doc: Json = json.loads(data.decode("utf-8")) if data else None
     return doc
 
 
