@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .commit import tmp_token
-from .errors import ConfigError, CorruptCheckpointError, ObjectNotFoundError, StateMismatchError, StorageError
+from .errors import ConfigError, CorruptCheckpointError, ObjectNotFoundError, StateMismatchError
 from .format.manifest import Manifest, ShardInfo, TensorEntry
 from .format.tree import T_NDARRAY, T_TENSOR, escape_key
 from .replicated import REPLICATED_PREFIX, Selection, check_agreement
@@ -298,6 +298,8 @@ def check_shards_visible(
 def _not_visible(storage: Storage, prefix: str, step: int, shard: ShardInfo, size: int | None, rank: int) -> str:
     """Why ``shard`` is missing or has another size, as far as ``rank``, which checks, can tell: the root is to
     blame only for another rank's shard; its own shard it wrote itself where it now looks."""
+    from .errors import StorageError  # only on this failure path
+
     found = "not visible" if size is None else f"{size} bytes, not {shard.size}"
     text = f"step {step}: rank {shard.rank}'s shard {shard.file} is {found} to rank {rank} under {storage.uri}"
     try:
