@@ -442,14 +442,16 @@ def _replicated_layout(step: int, parts: Sequence[Any]) -> dict[str, Any] | None
 
 
 def check_shards_visible(
-    storage: Storage, prefix: str, manifest: Manifest, ranks: Collection[int] | None = None
+    storage: Storage, prefix: str, manifest: Manifest, ranks: Collection[int] | None = None, *, rank: int = 0
 ) -> None:
-    """Rank 0, before committing: every rank's shard is where the commit will make it visible, at its size
-    (only the shards of ``ranks`` when given: a node-local memory tier holds its own node's ranks' shards).
+    """Rank 0 (``rank``: the node leader checking its node), before committing: every rank's shard is where the
+    commit will make it visible, at its size (only the shards of ``ranks`` when given: a node-local memory tier
+    holds its own node's ranks' shards).
 
     Raises:
         CorruptCheckpointError: a shard is missing or has another size: the root is not shared by the ranks
-            (each node has its own disk or memory), or a rank's write went elsewhere.
+            (each node has its own disk or memory), a rank's write went elsewhere, or another process removed
+            or changed the attempt's files after they were written (the only cause when it is ``rank``'s own).
     """
     for shard in manifest.shards:
         if (ranks is not None and shard.rank not in ranks) or shard.step is not None:
@@ -461,13 +463,33 @@ def check_shards_visible(
             size = None
         if size != shard.size:
             raise CorruptCheckpointError(
-                f"step {manifest.step}: rank {shard.rank}'s shard {shard.file} is "
-                + ("not visible" if size is None else f"{size} bytes, not {shard.size}")
-                + f" to rank 0 under {storage.uri}; every rank must save to one root that all of them see "
-                "(a shared file system or an object store), not a node-local directory",
-                step=manifest.step,
-                file=shard.file,
+                _not_visible(storage, prefix, manifest.step, shard, size, rank), step=manifest.step, file=shard.file
             )
+
+
+def _not_visible(storage: Storage, prefix: str, step: int, shard: ShardInfo, size: int | None, rank: int) -> str:
+    """Why ``shard`` is missing or has another size, as far as ``rank``, which checks, can tell: the root is to
+    blame only for another rank's shard; its own shard it wrote itself where it now looks."""
+    from .errors import StorageError  # only on this failure path
+
+    found = "not visible" if size is None else f"{size} bytes, not {shard.size}"
+    text = f"step {step}: rank {shard.rank}'s shard {shard.file} is {found} to rank {rank} under {storage.uri}"
+    try:
+        emptied = next(iter(storage.list(prefix)), None) is None
+    except StorageError:
+        emptied = False
+    if emptied:
+        text += f" (nothing is left of the attempt {prefix})"
+    removed = (
+        "another process removed or changed the attempt's files after they were written (a second job, "
+        "benchmark run or clean-up working in the same root, or a person); nothing is committed"
+    )
+    if shard.rank == rank:
+        return f"{text}, although rank {rank} wrote it there itself before this check: {removed}"
+    return (
+        f"{text}; every rank must save to one root that all of them see (a shared file system or an object "
+        f"store), not a node-local directory; if the root is shared, {removed}"
+    )
 
 
 def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest:

@@ -501,7 +501,7 @@ class Saver:
                 raise FormatError(f"step {step}: rank 0 sent no manifest for this node's copy")
             data = text.encode()
             manifest = Manifest.parse(data, path=f"rank 0's manifest of step {step}", expect_step=step)
-            check_shards_visible(self.storage, p.prefix, manifest, self.node_ranks)
+            check_shards_visible(self.storage, p.prefix, manifest, self.node_ranks, rank=self.rank)
             self.commit.commit(p.prefix, step, data)
         except Exception as exc:
             _abort_prefix(self.commit, p.prefix)

@@ -209,6 +209,35 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert message in err
 
 
+def test_a_second_run_in_a_directory_another_run_uses_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Every run removes its methods' and ranks' directories when it starts and ends: a second run in the same
+    # directory deleted a collective save of the first midway (rank 0 found its own shard gone at the commit).
+    directory = tmp_path / "b"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            # what a run holds for its whole length: an exclusive flock(2) on the directory
+            "import fcntl, os, sys; os.mkdir(sys.argv[1]); fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
+            str(directory),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        code, _, err = run(capsys, "bench", str(directory), *TINY, "--io", "buffered", "--peers", "none", "--no-raw")
+        assert code == 2 and "in use by another tiersave bench run" in err, err
+    finally:
+        holder.communicate(timeout=60)
+    assert holder.returncode == 0
+    assert run(capsys, "bench", str(directory), *TINY, "--io", "buffered", "--peers", "none", "--no-raw")[0] == 0
+
+
 def test_check_flag_fails_on_a_missed_target(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 import tiersave
 from tiersave.errors import DistributedCheckpointError
+from tiersave.format.layout import step_dirname
 from tiersave.storage.posix import LocalStorage
 from tiersave.testing.faults import Fault, FaultyStorage
 
@@ -83,6 +85,31 @@ def rank_fails(rank: int, world: int, rec: dict[str, Any]) -> None:
         rec["latest_after_retry"] = ckpt.latest().step
 
 
+class _RemovedBeforeCommit(FaultyStorage):
+    """Rank 0's root, where another process removes step 2's attempt directory once every rank has written its
+    shards there, just before rank 0's commit looks at them (a clean-up or second job in the same root)."""
+
+    def head(self, key: str) -> Any:
+        name = key.split("/", 1)[0]
+        if name.startswith(f"{step_dirname(2)}.tmp-") and (ROOT / name).is_dir():
+            shutil.rmtree(ROOT / name)
+        return super().head(key)
+
+
+def attempt_removed(rank: int, world: int, rec: dict[str, Any]) -> None:
+    storage: Any = LocalStorage(ROOT)
+    if rank == 0:
+        storage = _RemovedBeforeCommit(storage)
+    with tiersave.Checkpointer(storage, coordination_timeout_s=TIMEOUT_S) as ckpt:
+        ckpt.save(1, state(rank, 1))
+        try:
+            ckpt.save(2, state(rank, 2))
+            rec["save2"] = "committed"
+        except tiersave.TiersaveError as exc:
+            rec["save2"] = error_record(exc, time.monotonic())
+        rec["latest"] = ckpt.latest().step
+
+
 def rank_dies(rank: int, world: int, rec: dict[str, Any]) -> None:
     """Rank 1 is launched with TIERSAVE_CRASHPOINT set: it dies with SIGKILL inside its second save."""
     with tiersave.Checkpointer(ROOT, coordination_timeout_s=TIMEOUT_S) as ckpt:
@@ -129,7 +156,10 @@ def world_restore(rank: int, world: int, rec: dict[str, Any]) -> None:
             rec["restore"] = error_record(exc, time.monotonic())
 
 
-SCENARIOS = {f.__name__: f for f in (save_restore, rank_fails, rank_dies, save_loop, restore_check, world_restore)}
+SCENARIOS = {
+    f.__name__: f
+    for f in (save_restore, rank_fails, rank_dies, save_loop, restore_check, world_restore, attempt_removed)
+}
 
 
 def run_rank(scenario: Callable[[int, int, dict[str, Any]], None]) -> None:

@@ -89,6 +89,26 @@ def test_restoring_onto_another_number_of_ranks_fails_clearly_on_every_rank(laun
         assert rec["type"] == "StateMismatchError" and "saved by 2 rank(s) and this job has 3" in rec["message"]
 
 
+def test_an_attempt_removed_before_the_commit_is_reported_as_removed_not_as_an_unshared_root(launch, tmp_path):
+    # Another process deletes step 2's attempt directory after every rank wrote its shards into the one shared
+    # root: rank 0 finds its own shard gone. The root is shared (rank 0 wrote there itself), so the error must
+    # say the files were removed, not send the user looking for a node-local directory.
+    root = tmp_path / "ckpt"
+    job = launch("attempt_removed", 2, env=env(root), script=SCRIPT)
+    for r in range(2):
+        rec = job.rank(r)
+        assert "crash" not in rec, rec
+        failure = rec["save2"]
+        assert failure["type"] == "DistributedCheckpointError", failure
+        message = failure["message"]
+        assert "rank 0's shard shard-00000-000.bin is not visible to rank 0" in message, message
+        assert "although rank 0 wrote it there itself" in message and "another process removed" in message, message
+        assert "nothing is left of the attempt" in message, message
+        assert "every rank must save to one root" not in message, message
+        assert rec["latest"] == 1
+    assert committed_and_whole(root, 2) == [1]
+
+
 def test_a_rank_whose_storage_fails_fails_every_rank_naming_it(launch, tmp_path):
     root = tmp_path / "ckpt"
     job = launch("rank_fails", 3, env=env(root), script=SCRIPT)

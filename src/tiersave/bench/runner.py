@@ -18,11 +18,13 @@ Every loaded state is spot-checked against the saved one outside the timed regio
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import platform
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,17 +173,41 @@ def run_bench(config: BenchConfig, *, progress: ProgressFn | None = None) -> Ben
     """Run the benchmark described by ``config`` and return its measurements.
 
     Raises:
-        ConfigError: bad configuration, not enough disk or memory.
+        ConfigError: bad configuration, not enough disk or memory, or another run is using the directory.
         BackendUnavailableError: a requested peer's package is missing.
     """
+    created = not config.directory.exists()
+    config.directory.mkdir(parents=True, exist_ok=True)
+    with _sole_run(config.directory):
+        return _run(config, progress, created)
+
+
+@contextlib.contextmanager
+def _sole_run(directory: Path) -> Iterator[None]:
+    """Hold ``directory`` for this run. Every run removes its methods' and its ranks' directories in it when it
+    starts and ends, so a second run there would delete a save of this one midway (seen as a shard that
+    vanished before the commit): it is refused instead, while this run holds the lock."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"{directory} is in use by another tiersave bench run: two runs in one directory delete each "
+                "other's files; wait for it to end, or give this run a directory of its own"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _run(config: BenchConfig, progress: ProgressFn | None, created: bool) -> BenchResult:
     from ..storage.posix.calibration import Calibration, calibration_for
     from .methods import Method, TiersaveMethod, make_peer
     from .workload import build_state, empty_like_state
 
     started = time.perf_counter()
     directory = config.directory
-    created = not directory.exists()
-    directory.mkdir(parents=True, exist_ok=True)
     spec = gpt_like_spec(config.model, config.size_bytes)
     _check_resources(config, spec)
     notes: list[str] = []
