@@ -34,7 +34,14 @@ from itertools import accumulate, chain, repeat
 from typing import TYPE_CHECKING, Any
 
 from .commit import tmp_token
-from .errors import ConfigError, CorruptCheckpointError, FormatError, ObjectNotFoundError, StateMismatchError
+from .errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    FormatError,
+    ObjectNotFoundError,
+    StateMismatchError,
+    StorageError,
+)
 from .format import layout as _layout
 from .format.columns import ranges_ok
 from .format.dtypes import DTYPES
@@ -470,7 +477,6 @@ def check_shards_visible(
 def _not_visible(storage: Storage, prefix: str, step: int, shard: ShardInfo, size: int | None, rank: int) -> str:
     """Why ``shard`` is missing or has another size, as far as ``rank``, which checks, can tell: the root is to
     blame only for another rank's shard; its own shard it wrote itself where it now looks."""
-    from .errors import StorageError  # only on this failure path
 
     found = "not visible" if size is None else f"{size} bytes, not {shard.size}"
     text = f"step {step}: rank {shard.rank}'s shard {shard.file} is {found} to rank {rank} under {storage.uri}"
