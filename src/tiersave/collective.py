@@ -47,7 +47,7 @@ from .format.columns import ranges_ok
 from .format.dtypes import DTYPES
 from .format.jsonsafe import paused_gc
 from .format.layout import ALIGN
-from .format.manifest import Manifest, ShardInfo, TensorEntry, _entries
+from .format.manifest import Manifest, ShardInfo, TensorEntry, entries_from_columns
 from .format.tree import T_NDARRAY, T_TENSOR, escape_key
 from .replicated import REPLICATED_PREFIX, Selection, check_agreement
 from .storage.base import Storage
@@ -287,7 +287,7 @@ def merge_parts(
             column.extend(values)
         tree[rank_key(rank)] = part.get("tree")
     # The manifest parser's fast constructor: the columns were checked above, as the parser checks its own.
-    tensors = dict(zip(columns[0], _entries(tuple(columns)), strict=True))  # type: ignore[arg-type]
+    tensors = dict(zip(columns[0], entries_from_columns(tuple(columns)), strict=True))  # type: ignore[arg-type]
     if len(tensors) != len(columns[0]):
         raise ConfigError(f"step {step}: {_duplicate(columns[0])!r} was written by more than one rank")
     if layout is not None and replicated_count != layout["count"]:

@@ -185,7 +185,7 @@ class TensorEntry:
 _ENTRY_SLOTS = tuple(TensorEntry.__dict__[f.name] for f in dataclasses.fields(TensorEntry))
 
 
-def _entries(columns: Columns) -> list[TensorEntry]:
+def entries_from_columns(columns: Columns) -> list[TensorEntry]:
     """``list(map(TensorEntry, *columns))``, about twice as fast: a frozen dataclass's ``__init__`` sets each
     field through ``object.__setattr__`` in Python; here each slot is filled for all entries by one ``map``
     in C. The values were checked by ``tensor_columns``; every field is set, as ``__init__`` would."""
@@ -421,7 +421,7 @@ class _Checker:
             self.columns = TableDecoder(self.fail, max_ndim=_MAX_NDIM, max_name=_MAX_NAME, max_int=_MAX_INT).decode(
                 doc["table"], len(shards), chunk_bytes, strict=self.strict_fields
             )
-            tensors = dict(zip(self.columns[0], _entries(self.columns), strict=True))
+            tensors = dict(zip(self.columns[0], entries_from_columns(self.columns), strict=True))
             runs = TreeRuns(tree, self.columns[0], self.fail, dict_runs=self.dict_runs)
             self.check_tree(runs.standins(), set(tensors), runs.referenced())
             tree = runs.expand()
@@ -506,7 +506,7 @@ class _Checker:
         columns = self.tensors_columns(raw, nshards, chunk_bytes) if type(raw) is dict else None
         if columns is not None:
             self.columns = columns
-            return dict(zip(columns[0], _entries(columns), strict=True))
+            return dict(zip(columns[0], entries_from_columns(columns), strict=True))
         check_depth(raw, what=self.path, start=2)
         if not isinstance(raw, dict):
             raise self.fail("tensors must be an object")
