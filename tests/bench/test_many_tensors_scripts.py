@@ -68,3 +68,18 @@ def test_vectored_reads_prints_every_method(tmp_path: Path) -> None:
     for method in ("4MiB:", "64MiB:", "4MiBx16:"):
         assert method in out
     assert not list(tmp_path.iterdir())  # its data file is removed
+
+
+def test_dcp_many_tensors_times_the_three_paths_and_writes_its_json(tmp_path: Path) -> None:
+    out = _run(
+        "dcp_many_tensors.py",
+        *("--dir", str(tmp_path / "d"), "--counts", "50", "--runs", "1", "--json", str(tmp_path / "r.json")),
+        cwd=tmp_path,
+    )
+    for name in ("tiersave", "dcp+tiersave", "dcp"):
+        assert f"     50 x 1 KiB  {name:<13} save" in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    row = doc["results"]["50"]
+    assert set(row) == {"tiersave", "dcp+tiersave", "dcp"}
+    assert all(r["save_ms"] > 0 and r["load_ms"] > 0 for r in row.values())
+    assert not (tmp_path / "d" / "n50").exists()  # each count's checkpoints are removed after it
