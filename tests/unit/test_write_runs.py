@@ -48,7 +48,7 @@ def test_runs_write_the_same_bytes_with_fewer_requests(tmp_path: Path, blocking:
         entries = {k: t.crc32c for k, t in ck.catalog.manifest(1).tensors.items()}
     # 17 experts in runs of at most 8 MiB (5 + 4 + 3 + 4 ...), not 17 requests; "big" in 2 chunks
     calls = sum(p["calls"] for name, p in requests.items() if name.startswith("direct"))
-    assert calls <= 10, requests
+    assert 2 <= calls <= 10, requests  # at least "big"'s two chunks went direct: the runs were measured
     # the reference: the unstaged buffered save writes each tensor where it lies, one by one
     plain = tmp_path / "plain"
     with Checkpointer(LocalStorage(plain, io="buffered"), chunk_bytes=8 * MiB, event_log=False) as ck:

@@ -161,6 +161,11 @@ class Ring:
                 self._freed = self._done.pop(self._freed)
             self._cond.notify_all()
 
+    @property
+    def failed(self) -> bool:
+        """Whether a writer has failed (:meth:`fail`)."""
+        return self._error is not None
+
     def fail(self, exc: BaseException) -> None:
         """Wake the staging thread with a writer's error."""
         with self._cond:

@@ -144,6 +144,7 @@ class SourceWrite(StagedWrite):
             submit, write = self.executor.submit, self._write_lane
             self.futures.extend(submit(write, lane) for lane in _lanes(self.plan))
         wait(self.futures)
+        self._keep.clear()  # the contiguous copies are written: nothing reads them any more
         self.stage_s = time.perf_counter() - start
         for fut in self.futures:
             fut.result()  # the first failure, if any: the caller aborts
@@ -162,6 +163,8 @@ class SourceWrite(StagedWrite):
     def _write_lane(self, units: Sequence[Unit]) -> None:
         try:
             for u in units:
+                if self.ring.failed:  # another lane failed: the save is lost, stop writing its files
+                    return
                 if u.is_group:
                     self._write_group(u)
                 else:
@@ -187,7 +190,7 @@ class SourceWrite(StagedWrite):
             tail = u.length - whole
             block = self._buffer(u.padded - whole)[0][: u.padded - whole]
             block[:tail] = data[whole:]
-            block[tail:] = bytes(len(block) - tail)
+            block[tail:] = _ZEROS[: len(block) - tail]
             crc = crc32c_update(crc, block[:tail])
             writer.write_at(u.file_offset + whole, block)
         if u.tensor in self.crcs:
