@@ -410,7 +410,7 @@ def _same_tensors(ts: list[torch.Tensor], lay: Layout) -> bool:
         return False
     if any(ts[i].stride() != s for i, s in lay.strides.items()):
         return False
-    if (list(map(_is_cpu, ts)) != [True] * len(ts)) if lay.devices is None else (list(map(_device, ts)) != lay.devices):
+    if (not all(map(_is_cpu, ts))) if lay.devices is None else (list(map(_device, ts)) != lay.devices):
         return False
     if lay.negs is None:
         if any(map(_is_neg, ts)):

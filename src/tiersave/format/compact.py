@@ -100,7 +100,8 @@ def encode_table(names: Sequence[str], entries: Sequence[Entry]) -> dict[str, An
     """
     if len(names) > MAX_TENSORS:
         raise FormatError(f"{len(names)} tensors: a manifest holds at most {MAX_TENSORS}")
-    if _name_bytes(sum(map(len, names)), "".join(names)) > MAX_NAME_BYTES:
+    chars = sum(map(len, names))
+    if (chars if all(map(str.isascii, names)) else 4 * chars) > MAX_NAME_BYTES:  # as _name_bytes, no join
         raise FormatError(f"the tensor names take over {MAX_NAME_BYTES} bytes, more than a manifest holds")
     shared = list(map(_shared, ["", *names[:-1]], names))
     dtype_of: dict[str, int] = {}

@@ -55,7 +55,7 @@ from .encoding import Encoding, parse_encoding
 from .jsonsafe import check_depth, is_finite_number, loads_strict, paused_gc
 from .layout import ALIGN, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, MAX_STEP, is_safe_file, is_valid_tag, step_dirname
 from .sealing import MANIFEST_HASH_FIELD as MANIFEST_HASH_FIELD  # re-exported: the field's name
-from .sealing import check_seal
+from .sealing import SHA256_HEX, VERSION_RE, check_seal
 from .sealing import seal as seal  # re-exported: writers and tests seal documents through this module
 from .tree import validate_tree
 from .treeruns import TreeRuns, compress_tree
@@ -64,7 +64,6 @@ _MAX_INT = (1 << 63) - 1
 _MAX_NDIM = 64
 _MAX_NAME = 1024
 _HEX8 = re.compile(r"\A[0-9a-f]{8}\Z")  # \Z: "$" would let a trailing newline through
-_VERSION_RE = re.compile(r"^([0-9]{1,4})\.([0-9]{1,4})$")
 
 _TOP_FIELDS = frozenset(
     {
@@ -89,7 +88,6 @@ _SHARD_FIELDS_1_2 = _SHARD_FIELDS | {"content"}
 _SHARD_FIELDS_2_0 = _SHARD_FIELDS_1_2 | {"step"}
 _SHARD_FIELDS_3_0 = _SHARD_FIELDS_2_0 | {"encoding"}
 _CHECKSUM_FIELDS = frozenset({"algorithm", "chunk_bytes"})
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "shard", "offset", "nbytes", "crc32c"})
 
 
@@ -360,7 +358,7 @@ class _Checker:
         if doc.get("format") != FORMAT_NAME:
             raise self.fail(f"not a tiersave manifest (format = {doc.get('format')!r})")
         version = doc.get("format_version")
-        m = _VERSION_RE.match(version) if isinstance(version, str) else None
+        m = VERSION_RE.match(version) if isinstance(version, str) else None
         if m is None:
             raise self.fail(f"format_version {version!r} is not MAJOR.MINOR")
         major, minor = int(m.group(1)), int(m.group(2))
@@ -488,7 +486,7 @@ class _Checker:
         pieces = []
         for piece in raw:
             ok = isinstance(piece, list) and len(piece) == 2 and isinstance(piece[1], str)
-            if not ok or not _SHA256_HEX.match(piece[1]):
+            if not ok or not SHA256_HEX.match(piece[1]):
                 raise self.fail(f"{what} must be an array of [bytes, 64-hex-digit hash] pairs")
             n = self.int_field(piece[0], f"{what} piece length", lo=ALIGN)
             if n % ALIGN:

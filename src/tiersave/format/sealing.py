@@ -16,8 +16,8 @@ from ..errors import CorruptCheckpointError, FormatError
 from .jsonsafe import dumps_canonical
 
 MANIFEST_HASH_FIELD = "manifest_sha256"
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-_VERSION_RE = re.compile(r"^([0-9]{1,4})\.([0-9]{1,4})$")
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+VERSION_RE = re.compile(r"^([0-9]{1,4})\.([0-9]{1,4})$")
 
 
 def raw_seal_matches(data: bytes, field: str, expected: str) -> bool:
@@ -80,11 +80,11 @@ def check_seal(doc: Any, path: str, data: bytes | None = None) -> bool:
     expected = checksum.pop(MANIFEST_HASH_FIELD, None)
     if expected is None:
         version = doc.get("format_version")
-        m = _VERSION_RE.match(version) if isinstance(version, str) else None
+        m = VERSION_RE.match(version) if isinstance(version, str) else None
         if m is not None and (int(m.group(1)), int(m.group(2))) >= (1, 1):
             raise FormatError(f"{path}: format {version} manifest lacks checksum.{MANIFEST_HASH_FIELD}", path=path)
         return False
-    if not isinstance(expected, str) or not _SHA256_HEX.match(expected):
+    if not isinstance(expected, str) or not SHA256_HEX.match(expected):
         raise FormatError(f"{path}: checksum.{MANIFEST_HASH_FIELD} must be 64 lowercase hex digits", path=path)
     if data is not None and raw_seal_matches(data, MANIFEST_HASH_FIELD, expected):
         return True  # the bytes as read are the bytes that were hashed: no need to serialize them again
