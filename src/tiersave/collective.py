@@ -218,7 +218,8 @@ def _shard_part(s: ShardInfo) -> dict[str, Any]:
 
 def _shard_of(step: int, rank: int, raw: Any) -> ShardInfo:
     """A shard of rank ``rank``'s part, its types checked."""
-    ok = isinstance(raw, dict) and isinstance(raw.get("file"), str) and _int(raw.get("size"))
+    ok = isinstance(raw, dict) and isinstance(raw.get("file"), str) and _layout.is_safe_file(raw["file"])
+    ok = ok and _int(raw.get("size"))
     ok = ok and raw["size"] % ALIGN == 0
     content: Any = raw.get("content", []) if ok else None
     ref = raw.get("step") if ok else None
@@ -286,6 +287,8 @@ def merge_parts(
         for column, values in zip(columns, rank_cols, strict=True):
             column.extend(values)
         tree[rank_key(rank)] = part.get("tree")
+    if len({(s.file, s.step) for s in shards}) != len(shards):
+        raise ConfigError(f"step {step}: two ranks sent the same shard file")
     # The manifest parser's fast constructor: the columns were checked above, as the parser checks its own.
     tensors = dict(zip(columns[0], entries_from_columns(tuple(columns)), strict=True))  # type: ignore[arg-type]
     if len(tensors) != len(columns[0]):

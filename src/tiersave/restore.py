@@ -373,6 +373,7 @@ class Restore:
         """Copy what was not read in place into the live tensors and load the tree into the live state."""
         with paused_gc():
             self.done = self._finish()
+        self._read = None  # the destinations are the result's now: no reference to them from this job
         return self.done
 
     def verify_unchecked(self) -> None:
@@ -381,8 +382,9 @@ class Restore:
         Raises:
             CorruptCheckpointError: a chunk does not match its checksum (the message names the file and chunk).
         """
-        if self.split is None or not self.split.unchecked or self._pool is None:
+        if self.split is None or not self.split.unchecked:
             return
+        assert self._pool is not None, "verify_unchecked() before read()"
         verify_in_memory(
             self.split.unchecked,
             chunk_bytes=self.ckpt.manifest.chunk_bytes,

@@ -110,7 +110,8 @@ def plan(ckpt: OpenCheckpoint, requests: Sequence[ReadRequest], rank: int, node:
         if entry.shard not in files or not entry.name.startswith(REPLICATED_PREFIX):
             continue
         split.names.append(entry.name)
-        if ranks[shards[entry.shard].rank % len(ranks)] != rank:
+        writer = shards[entry.shard].rank
+        if (writer if writer in ranks else ranks[writer % len(ranks)]) != rank:
             req.verify = False
             split.unchecked.append(req)
     return split

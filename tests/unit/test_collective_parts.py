@@ -62,6 +62,7 @@ def test_merged_parts_are_the_global_manifest_a_reader_accepts():
         (lambda p: p["table"]["shape"].__setitem__(0, 7), "out of range"),
         (lambda p: p["shards"][0].update(size="big"), "malformed shard entry"),
         (lambda p: p["shards"][0].update(size=4097), "malformed shard entry"),
+        (lambda p: p["shards"][0].update(file="../escape.bin"), "malformed shard entry"),
         (lambda p: p.update(table=None), "not an object"),
     ],
 )
@@ -84,3 +85,10 @@ def test_a_global_manifest_over_the_cap_names_the_ranks_the_tensors_and_the_cap(
     monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 1000)
     with pytest.raises(FormatError, match="global manifest of 2 ranks and 6 tensors would exceed the 1000-byte cap"):
         encode_global(merge([part(0), part(1)]))
+
+
+def test_two_ranks_naming_the_same_shard_file_are_refused():
+    bad = copy.deepcopy(part(1))
+    bad["shards"][0]["file"] = "shard-00000-000.bin"
+    with pytest.raises(ConfigError, match="step 1: two ranks sent the same shard file"):
+        merge([part(0), bad])
