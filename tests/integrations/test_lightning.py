@@ -153,3 +153,19 @@ def test_plain_hyperparameters_round_trip_and_foreign_files_are_refused(tmp_path
     with pytest.raises(tiersave.FormatError, match="not a tiersave checkpoint pointer"):
         io.load_checkpoint(foreign)
     io.close()
+
+
+def test_a_pointer_removed_before_its_write_ran_never_appears(tmp_path):
+    """ModelCheckpoint may remove a .ckpt while its pointer still waits for the save's commit (a loaded
+    machine): the queued write must not land afterwards and leave a stale pointer."""
+    io = TiersaveCheckpointIO(tmp_path / "root")
+    target = tmp_path / "ckpt" / "epoch=0-step=8.ckpt"
+    state = {"global_step": 8, "w": torch.rand(16 << 20)}  # 64 MiB: the commit comes well after the removal
+    io.save_checkpoint(state, target)
+    io.remove_checkpoint(target)
+    io.teardown()
+    assert not target.exists()
+    io.save_checkpoint({"global_step": 9, "w": torch.rand(4)}, target)  # saved again under the same name
+    io.teardown()
+    assert read_pointer(target) == 9
+    io.close()

@@ -132,6 +132,8 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self._handles: dict[int, SaveHandle] = {}  # steps this plugin saved, by step
         self._jobs: list[tuple[int, Future[None]]] = []  # pointer writes waiting for their commit
         self._unreferenced: set[int] = set()  # steps whose pointer went away: delete unless named again
+        self._unwritten: dict[Path, int] = {}  # pointers queued and not yet written: pending writes per path
+        self._removed: set[Path] = set()  # pointers Lightning removed before their queued write ran
         self._dirs: set[str] = set()  # directories holding our pointers
         self._error: BaseException | None = None
         self._writer: ThreadPoolExecutor | None = None
@@ -191,6 +193,9 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer at ``path``; the stored checkpoint goes once no pointer names it."""
         target = self._local(path)
+        with self._lock:
+            if self._unwritten.get(target):  # writes still queued: none may land after this removal
+                self._removed.add(target)
         if not os.path.lexists(target):
             return
         try:
@@ -255,6 +260,9 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
     def _point(self, target: Path, step: int, handle: SaveHandle) -> None:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="tiersave-lightning-pointer")
+        with self._lock:
+            self._unwritten[target] = self._unwritten.get(target, 0) + 1
+            self._removed.discard(target)  # saved again under the same name: the newest pointer stands
         job = self._writer.submit(self._write_pointer, target, step, handle)
         with self._lock:
             self._jobs.append((step, job))
@@ -264,28 +272,42 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         try:
             if not handle.wait(self.timeout_s) or handle.failed():
                 return  # the save's own error reaches the caller through the checkpointer
-            try:
-                replaced: int | None = read_pointer(target)
-            except (CheckpointNotFoundError, FormatError):
-                replaced = None
-            target.parent.mkdir(parents=True, exist_ok=True)
-            body = json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "tiers": self.checkpointer.tiers})
-            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-            try:
-                os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the pointer from other readers of the run
-                with os.fdopen(fd, "w") as f:
-                    f.write(body + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)  # a reader sees the old pointer or the new one, never half of one
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-            if replaced is not None and replaced != step:
-                with self._lock:
-                    self._unreferenced.add(replaced)
+            with self._lock:  # held while writing: a removal waits for this pointer, then removes it
+                self._write_pointer_locked(target, step)
         except BaseException as exc:
             self._error = StorageError(f"could not write the checkpoint pointer {target} for step {step}: {exc}")
+        finally:
+            with self._lock:
+                left = self._unwritten.pop(target, 1) - 1
+                if left:
+                    self._unwritten[target] = left
+                else:
+                    self._removed.discard(target)
+
+    def _write_pointer_locked(self, target: Path, step: int) -> None:
+        """Write the pointer (``self._lock`` held), unless Lightning removed it while its write was queued."""
+        if target in self._removed:
+            self._unreferenced.add(step)
+            return
+        try:
+            replaced: int | None = read_pointer(target)
+        except (CheckpointNotFoundError, FormatError):
+            replaced = None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        body = json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "tiers": self.checkpointer.tiers})
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        try:
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the pointer from other readers of the run
+            with os.fdopen(fd, "w") as f:
+                f.write(body + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)  # a reader sees the old pointer or the new one, never half of one
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        if replaced is not None and replaced != step:
+            self._unreferenced.add(replaced)
 
     def _raise_error(self) -> None:
         err, self._error = self._error, None
