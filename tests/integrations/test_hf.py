@@ -194,7 +194,7 @@ def test_keep_best_retention_keeps_the_best_by_eval_metric_and_loads_it_at_end(t
     assert all(torch.equal(v, seen[4][k]) for k, v in trainer.model.state_dict().items())  # best loaded at end
     ckpt.restore(tag="best")
     assert ckpt.last_restore is not None and ckpt.last_restore.step == 4
-    assert str(retention_for(args)) == "last=1,best=1:eval_score:max"
+    assert str(retention_for(args)) == "last=1,newest tag=best"
     ckpt.close()
 
 
@@ -235,3 +235,47 @@ def test_a_plain_trainer_checkpoint_directory_still_resumes_the_trainers_way(tmp
     assert losses(migrated) == ref_losses
     assert [c.step for c in migrated.checkpointer.list()][-1] == 12  # from then on, saves go to tiersave
     migrated.checkpointer.close()
+
+
+def test_the_best_the_trainer_names_survives_a_better_score_at_a_step_between_saves(tmp_path):
+    """The Trainer names a save its best only when the new best score is that save's own step. A better
+    score at an evaluation between saves leaves its best at the older save, while a later save can score
+    higher than that older one: retention must still keep the save the Trainer will load at the end."""
+    scores = {2: 0.1, 4: 0.5, 6: 0.9, 8: 0.7, 10: 0.2, 12: 0.1}  # best save is 4; 8 out-scores it, 6 unsaved
+    holder: dict[str, Any] = {}
+
+    def compute_metrics(_pred: Any) -> dict[str, float]:
+        return {"score": scores[holder["trainer"].state.global_step]}
+
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    class Snapshot(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            seen[state.global_step] = weights(model)
+
+    args = make_args(
+        tmp_path / "out",
+        eval_strategy="steps",
+        eval_steps=2,
+        save_steps=4,
+        save_total_limit=1,
+        metric_for_best_model="score",
+        greater_is_better=True,
+        load_best_model_at_end=True,
+    )
+    trainer = TiersaveTrainer(
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=Tokens(SAMPLES, 7),
+        eval_dataset=Tokens(8, 3),
+        compute_metrics=compute_metrics,
+        callbacks=[Snapshot()],
+        checkpointer=tmp_path / "ckpt",
+    )
+    holder["trainer"] = trainer
+    trainer.train()  # loads the Trainer's best at the end: it must still be stored
+    ckpt = trainer.checkpointer
+    assert trainer.state.best_model_checkpoint == "tiersave:step=4"
+    assert [c.step for c in ckpt.list()] == [4, 12]  # the Trainer's best and the newest
+    assert all(torch.equal(v, seen[4][k]) for k, v in trainer.model.state_dict().items())
+    ckpt.close()

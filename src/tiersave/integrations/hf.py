@@ -4,8 +4,8 @@ Scope: ``TiersaveTrainer``, a ``transformers.Trainer`` whose checkpoints (model,
 grad scaler, every RNG, the ``TrainerState`` with global step, epoch, best metric, log history and
 callback state; the data position follows from the step, as in the Trainer's own resume) are saved with
 ``Checkpointer.save_async`` into the checkpointer's tiers instead of ``checkpoint-N`` directories, and
-restored by ``train(resume_from_checkpoint=...)``; retention by the checkpointer keeps the best
-checkpoint by the evaluation metric (``retention_for``). Anti-scope: multi-process training (DDP,
+restored by ``train(resume_from_checkpoint=...)``; retention by the checkpointer keeps the checkpoint
+the Trainer calls best (``retention_for``). Anti-scope: multi-process training (DDP,
 DeepSpeed, FSDP: refused with ``ConfigError``), hyper-parameter search, pushing to the Hub.
 
 Why a Trainer subclass and not a ``TrainerCallback``: a callback runs after the Trainer has already
@@ -48,9 +48,9 @@ from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
 from tiersave import Checkpointer, RNGState, Tier
 from tiersave.errors import CheckpointNotFoundError, ConfigError, SaveTimeoutError, StateMismatchError
-from tiersave.policy import KeepBest, KeepLast, RetentionPolicy
+from tiersave.policy import CheckpointLike, KeepAny, KeepLast, RetentionPolicy
 
-__all__ = ["TiersaveTrainer", "best_metric_name", "retention_for"]
+__all__ = ["TiersaveTrainer", "TrainerBest", "best_metric_name", "retention_for"]
 
 _MARKER = "tiersave:step="
 """Prefix of the ``resume_from_checkpoint`` value handed to the Trainer's loop, and of
@@ -74,9 +74,32 @@ def best_metric_name(args: TrainingArguments) -> str | None:
     return metric if metric.startswith("eval_") else f"eval_{metric}"
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainerBest:
+    """Keep the checkpoint the Trainer calls its best: the newest save tagged ``"best"``.
+
+    The Trainer names a save its best (``best_model_checkpoint``, what ``load_best_model_at_end`` loads)
+    only when that save's own step set a new best score, and :class:`TiersaveTrainer` tags exactly those
+    saves. Ranking the stored saves by their scores instead (``KeepBest``) can disagree: a better score at
+    an evaluation between saves leaves the Trainer's best at an older save that a later, unsaved-best save
+    out-scores, and ties go the other way; the save the Trainer would load was then deleted.
+    """
+
+    tag: str = "best"
+
+    def keep(self, checkpoints: Sequence[CheckpointLike]) -> frozenset[int]:
+        """The newest step among ``checkpoints`` carrying the tag (none if no checkpoint has it)."""
+        tagged = [c.step for c in checkpoints if self.tag in c.tags]
+        return frozenset([max(tagged)]) if tagged else frozenset()
+
+    def __str__(self) -> str:
+        return f"newest tag={self.tag}"
+
+
 def retention_for(args: TrainingArguments, keep_last: int | None = None) -> RetentionPolicy | None:
     """The retention that matches a Trainer's arguments: the newest ``keep_last`` (default
-    ``args.save_total_limit``) plus the best checkpoint by ``args.metric_for_best_model``.
+    ``args.save_total_limit``) plus the checkpoint the Trainer calls best (:class:`TrainerBest`) when
+    ``args.metric_for_best_model`` is set.
 
     Unlike the Trainer's own rotation, the best checkpoint is a separate part of the policy and is never
     rotated out by newer ones. Use it on a tier: ``Tier("/ckpt/run1", keep=retention_for(args))``.
@@ -92,15 +115,9 @@ def retention_for(args: TrainingArguments, keep_last: int | None = None) -> Rete
     parts: list[RetentionPolicy] = []
     if n is not None:
         parts.append(KeepLast(n))
-    metric = best_metric_name(args)
-    if metric is not None:
-        parts.append(KeepBest(1, metric, "max" if args.greater_is_better else "min"))
-    if not parts:
-        return None
-    policy = parts[0]
-    for part in parts[1:]:
-        policy = policy | part  # type: ignore[operator]
-    return policy
+    if best_metric_name(args) is not None:
+        parts.append(TrainerBest())
+    return KeepAny(tuple(parts)) if parts else None
 
 
 class TiersaveTrainer(Trainer):  # type: ignore[misc]
