@@ -136,3 +136,20 @@ def test_two_torchrun_nodes_report_their_node_identity(launch_torchrun: Callable
         assert (rec["identity"]["num_nodes"], rec["identity"]["local_world_size"]) == (2, 2)
         assert rec["vote"]["value"]["result"] == 4
     assert sorted((i["node_rank"], i["local_rank"]) for i in table) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_a_failure_only_rank_0_saw_reaches_the_others_before_rank_0_moves_on(launch: Callable[..., Any]) -> None:
+    """Rank 2 dies while rank 0 sends an outcome: rank 0 alone learns it (rank 1 got the outcome), and its
+    next call fails at once. That call must tell rank 1 that rank 2 failed before rank 0 returns: a rank 0
+    that goes on (here it tears down and exits) otherwise closes the connection under the notice, and
+    rank 1 would name rank 0, which did nothing wrong."""
+    for attempt in range(3):  # the notice used to be lost in most runs; every one must now deliver it
+        job = launch("undelivered", 3, env={"TIERSAVE_DIST_TIMEOUT": str(TIMEOUT_S)}, deadline_s=60)
+        assert job.returncodes[2] == -signal.SIGKILL, job.logs
+        assert_clean_exit(job, [0, 1])
+        for r in (0, 1):
+            assert job.rank(r)["first"]["ok"] is True, (attempt, r, job.rank(r)["first"])
+            second = job.rank(r)["second"]
+            assert second["ok"] is False and list(second["failures"]) == ["2"], (attempt, r, second["message"])
+            assert second["elapsed"] <= TIMEOUT_S + MARGIN_S
+            assert job.rank(r)["poisoned"] is True

@@ -257,7 +257,10 @@ def test_close_ends_rank_0s_wait_for_the_parts_at_once(launch, tmp_path):
         "abandon",
         2,
         script=SCRIPT,
-        env={**env(tmp_path, later.uri, TIERSAVE_TEST_NODE1_CRASH="part_drain_written:1"), "TIERSAVE_DIST_TIMEOUT": "60"},
+        env={
+            **env(tmp_path, later.uri, TIERSAVE_TEST_NODE1_CRASH="part_drain_written:1"),
+            "TIERSAVE_DIST_TIMEOUT": "60",
+        },
         rank_env={r: {"GROUP_RANK": str(r), "LOCAL_RANK": "0"} for r in range(2)},
         deadline_s=120,
     )

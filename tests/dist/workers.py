@@ -132,6 +132,24 @@ def killed(rank: int, world: int, rec: dict[str, Any]) -> None:
     rec["poisoned"] = group.poisoned
 
 
+def undelivered(rank: int, world: int, rec: dict[str, Any]) -> None:
+    """Rank 0's commit callback SIGKILLs the last rank while it waits for the outcome: the outcome cannot
+    be delivered to it, which only rank 0 learns (the others got the outcome). Rank 0's next call fails at
+    once and must tell the others which rank failed before it goes on (here: tears down and exits)."""
+    group = CoordinationGroup(timeout_s=TIMEOUT_S)
+    pids = group.all_gather_json(os.getpid())
+    victim = world - 1
+
+    def commit(payloads: list[Any]) -> Any:
+        os.kill(pids[victim], signal.SIGKILL)
+        time.sleep(0.5)  # gone, and gloo has read the closed connection before the outcome is sent
+        return "committed"
+
+    rec["first"] = attempt(lambda: vars(group.vote(1, {"rank": rank}, commit=commit)))
+    rec["second"] = attempt(lambda: vars(group.vote(2, {"rank": rank}, commit=commit)))
+    rec["poisoned"] = group.poisoned
+
+
 def nodes(rank: int, world: int, rec: dict[str, Any]) -> None:
     group = CoordinationGroup(timeout_s=TIMEOUT_S)
     rec["env"] = {k: os.environ.get(k) for k in ("GROUP_RANK", "LOCAL_RANK", "RANK")}
@@ -189,7 +207,15 @@ def chaos(rank: int, world: int, rec: dict[str, Any]) -> None:
     rec["later"] = attempt(lambda: group.agree(0, what="step"))
 
 
-SCENARIOS = {"chaos": chaos, "solo": solo, "basic": basic, "hang": hang, "killed": killed, "nodes": nodes}
+SCENARIOS = {
+    "chaos": chaos,
+    "solo": solo,
+    "basic": basic,
+    "hang": hang,
+    "killed": killed,
+    "nodes": nodes,
+    "undelivered": undelivered,
+}
 
 
 def main() -> None:

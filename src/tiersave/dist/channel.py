@@ -157,17 +157,36 @@ class Channel:
         )
         if self._rank == 0 and not self._notified:
             self._notified = True
-            payload = encode_json({"ok": False, "failure": report})
-            header = Header.for_payload(seq=self._seq, op=OPS[op], step=step, payload=payload)
-            out = [torch.tensor(header.words()), _byte_tensor(payload)]
-            sends: list[object] = [out]
-            for r in range(1, self._world):
-                try:
-                    sends.append(self._send(out, r, (_TAG_DOWN_HEADER, _TAG_DOWN_PAYLOAD)))
-                except Exception:
-                    pass  # that rank is gone: nobody is waiting there
-            self._graveyard.append(sends)  # never waited on: a rank that stopped calling never receives
+            self._notify(op, step, report, failed=set(failures))
         return failure_error(report)
+
+    def _notify(self, op: str, step: int | None, report: dict[str, Json], *, failed: set[int]) -> None:
+        """Rank 0: send the failure ``report`` as this call's outcome to every other rank, and wait (at most
+        ``timeout_s``) until the ranks it does not name have it.
+
+        The wait is what makes the others name the failing rank: the ranks that did not see the failure are
+        waiting in this call for rank 0's reply, and a rank 0 that returned at once and went on (raised to a
+        caller that tears the job down, exits) closed its connections under the notice, so they named rank 0.
+        The failed ranks are sent to but never waited on: they are gone or stopped calling."""
+        payload = encode_json({"ok": False, "failure": report})
+        header = Header.for_payload(seq=self._seq, op=OPS[op], step=step, payload=payload)
+        out = [torch.tensor(header.words()), _byte_tensor(payload)]
+        sends: dict[int, list[Any]] = {}
+        for r in range(1, self._world):
+            try:
+                sends[r] = self._send(out, r, (_TAG_DOWN_HEADER, _TAG_DOWN_PAYLOAD))
+            except Exception:
+                pass  # that rank is gone: nobody is waiting there
+        self._graveyard.append([out, sends])  # gloo may still read them, whatever happens below
+        deadline = time.monotonic() + self.timeout_s
+        for r, works in sends.items():
+            if r in failed:
+                continue
+            try:
+                for work in works:
+                    work.wait(seconds(deadline - time.monotonic()))
+            except Exception:
+                continue  # that rank left too, or never calls again (a wait that expires closes every connection)
 
     def _irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         work = dist.irecv(tensor, src=self._global[peer], group=self._pg, tag=tag)
@@ -264,7 +283,7 @@ class Channel:
                 lost[r] = _comm_report(exc, what=f"receiving rank {r}'s {op} document failed")
 
         gathered = time.monotonic()
-        report = self._judge(op, step, envelopes, docs, lost, skewed, reply, fail_phase)
+        report = _judge(op, step, envelopes, docs, lost, skewed, reply, fail_phase, self.timeout_s)
         decided = time.monotonic()
         down: Json = {"ok": True, "doc": report[1]} if report[0] is None else {"ok": False, "failure": report[0]}
         try:
@@ -330,61 +349,6 @@ class Channel:
         if failure is not None:
             raise failure_error(failure)
         return report[1]
-
-    def _judge(
-        self,
-        op: str,
-        step: int | None,
-        envelopes: dict[int, Json],
-        docs: list[Json],
-        lost: dict[int, dict[str, Json]],
-        skewed: set[int],
-        reply: Reply,
-        fail_phase: str,
-    ) -> tuple[dict[str, Json] | None, Json]:
-        """Rank 0's verdict: (failure report, None) or (None, reply document)."""
-        refused: dict[int, dict[str, Json]] = {}
-        for r, env in envelopes.items():
-            if not isinstance(env, dict) or not isinstance(env.get("ok"), bool):
-                lost[r] = report_error(ConnectionError(f"rank {r} sent a {op} message of unknown shape"))
-            elif env["ok"]:
-                docs[r] = env.get("doc")
-            else:
-                err = env.get("error")
-                refused[r] = err if isinstance(err, dict) else report_error(RuntimeError(str(err)))
-        if lost or refused:
-            parts = []
-            silent = sorted(r for r, rep in lost.items() if rep.get("type") == "TimeoutError")
-            broken = sorted(r for r in lost if r not in silent and r not in skewed)
-            if silent:
-                parts.append(f"{rank_list(silent)} sent nothing within {self.timeout_s:g} s")
-            if skewed:
-                parts.append(f"{rank_list(sorted(skewed))} made a different call (out of step)")
-            if broken:
-                parts.append(f"the connection to {rank_list(broken)} failed")
-            if refused:
-                parts.append(f"{rank_list(sorted(refused))} could not take part")
-            return (
-                failure_report(
-                    op=op,
-                    phase="collect",
-                    step=step,
-                    summary="; ".join(parts),
-                    failures={**refused, **lost},
-                    poison=bool(lost),
-                ),
-                None,
-            )
-        try:
-            return None, reply(docs)
-        except Decline as declined:
-            return declined.report, None
-        except Exception as exc:
-            summary = f"rank 0's {fail_phase} raised {type(exc).__name__}"
-            failures = {0: report_error(exc)}
-            return failure_report(
-                op=op, phase=fail_phase, step=step, summary=summary, failures=failures, poison=False
-            ), None
 
     def _follow(
         self, op: str, step: int | None, own: Header, own_payload: bytes, entered: float, budget: float
@@ -459,6 +423,62 @@ class Channel:
             poison=True,
         )
         return self._poison_by(failure, held)
+
+
+def _judge(
+    op: str,
+    step: int | None,
+    envelopes: dict[int, Json],
+    docs: list[Json],
+    lost: dict[int, dict[str, Json]],
+    skewed: set[int],
+    reply: Reply,
+    fail_phase: str,
+    timeout_s: float,
+) -> tuple[dict[str, Json] | None, Json]:
+    """Rank 0's verdict: (failure report, None) or (None, reply document)."""
+    refused: dict[int, dict[str, Json]] = {}
+    for r, env in envelopes.items():
+        if not isinstance(env, dict) or not isinstance(env.get("ok"), bool):
+            lost[r] = report_error(ConnectionError(f"rank {r} sent a {op} message of unknown shape"))
+        elif env["ok"]:
+            docs[r] = env.get("doc")
+        else:
+            err = env.get("error")
+            refused[r] = err if isinstance(err, dict) else report_error(RuntimeError(str(err)))
+    if lost or refused:
+        parts = []
+        silent = sorted(r for r, rep in lost.items() if rep.get("type") == "TimeoutError")
+        broken = sorted(r for r in lost if r not in silent and r not in skewed)
+        if silent:
+            parts.append(f"{rank_list(silent)} sent nothing within {timeout_s:g} s")
+        if skewed:
+            parts.append(f"{rank_list(sorted(skewed))} made a different call (out of step)")
+        if broken:
+            parts.append(f"the connection to {rank_list(broken)} failed")
+        if refused:
+            parts.append(f"{rank_list(sorted(refused))} could not take part")
+        return (
+            failure_report(
+                op=op,
+                phase="collect",
+                step=step,
+                summary="; ".join(parts),
+                failures={**refused, **lost},
+                poison=bool(lost),
+            ),
+            None,
+        )
+    try:
+        return None, reply(docs)
+    except Decline as declined:
+        return declined.report, None
+    except Exception as exc:
+        summary = f"rank 0's {fail_phase} raised {type(exc).__name__}"
+        failures = {0: report_error(exc)}
+        return failure_report(
+            op=op, phase=fail_phase, step=step, summary=summary, failures=failures, poison=False
+        ), None
 
 
 class _OutOfStep(ConnectionError):

@@ -24,7 +24,8 @@ document was not JSON) raises on every rank and leaves the group usable. A *comm
 sent nothing in time, a connection closed, ranks calling in different orders) raises on every rank that can
 still be reached and *poisons* the group: a message may still be in flight, so the sequence of exchanges
 cannot be resumed safely, and every later call raises at once, with the first failure as ``__cause__``
-(rank 0's first such call also sends that failure to every rank it can reach, so none waits for a reply).
+(rank 0's first such call also sends that failure to every rank it can reach and returns once the ranks it
+does not name have it, so none waits for a reply, and none names rank 0 for closing its connections after).
 
 Thread safety and call order: every rank must make the same calls in the same order (as with any
 collective); a call's sequence number and operation are checked, so a divergence is reported, not
