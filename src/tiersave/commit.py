@@ -114,6 +114,11 @@ class CommitStrategy(Protocol):
         """
         ...
 
+    def prefix_of(self, step: int, token: str) -> str:
+        """The prefix :meth:`begin` returns for ``step`` and ``token``, with no I/O and no check (what a
+        process that did not begin the attempt, or failed before it, names to remove it)."""
+        ...
+
     def shard_file(self, prefix: str, name: str) -> str:
         """The manifest's ``file`` for a shard written at ``f"{prefix}/{name}"``."""
         ...
@@ -161,7 +166,11 @@ class RenameCommit:
     def begin(self, step: int, token: str | None = None) -> str:
         _refuse_committed(self.storage, step)
         crashpoint("save_begin")
-        return tmp_dirname(step, token or tmp_token())
+        return self.prefix_of(step, token or tmp_token())
+
+    def prefix_of(self, step: int, token: str) -> str:
+        """``step-N.tmp-<token>``: the temporary directory the commit renames into ``step-N``."""
+        return tmp_dirname(step, token)
 
     def shard_file(self, prefix: str, name: str) -> str:
         """Shards sit directly in the directory that the rename turns into ``step-N``."""
@@ -258,12 +267,16 @@ class MarkerCommit:
         self.storage = storage
 
     def begin(self, step: int, token: str | None = None) -> str:
-        final = _refuse_committed(self.storage, step)
+        _refuse_committed(self.storage, step)
         crashpoint("save_begin")
-        prefix = f"{final}/{attempt_dirname(token or tmp_token())}"
+        prefix = self.prefix_of(step, token or tmp_token())
         with _ACTIVE_LOCK:
             _ACTIVE.add(prefix)
         return prefix
+
+    def prefix_of(self, step: int, token: str) -> str:
+        """``step-N/attempt-<token>``: the attempt's own prefix under the step's."""
+        return f"{step_dirname(step)}/{attempt_dirname(token)}"
 
     def shard_file(self, prefix: str, name: str) -> str:
         """``attempt-<token>/<name>``: shards are named relative to ``step-N``."""

@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any
 from ._crash import crashpoint
 from .catalog import CheckpointInfo
 from .collective import check_shards_visible
-from .commit import attempt_dirname
 from .drain import copy_shards, destination_names
 from .engine.pool import DaemonThreadPool
 from .errors import (
@@ -60,7 +59,7 @@ from .errors import (
     TiersaveError,
 )
 from .events import background_warning
-from .format.layout import MANIFEST_NAME, step_dirname, tmp_dirname
+from .format.layout import MANIFEST_NAME, step_dirname
 from .format.manifest import Manifest
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -222,11 +221,8 @@ class PartDrains:
 
     def attempt(self, tier: TierRuntime, step: int) -> str:
         """The name of that prefix, with no I/O: what rank 0 removes when it failed before :meth:`_prefix` (the
-        other nodes may have written there all the same). The names of ``commit.py``'s ``begin``."""
-        token = self._token(tier, step)
-        if tier.storage.capabilities.atomic_rename:
-            return tmp_dirname(step, token)
-        return f"{step_dirname(step)}/{attempt_dirname(token)}"
+        other nodes may have written there all the same): the tier's commit names it, as in its ``begin``."""
+        return tier.commit.prefix_of(step, self._token(tier, step))
 
     def _drain(self, tier: TierRuntime, step: int, future: Future[CheckpointInfo | None]) -> None:
         started, started_wall = time.perf_counter(), time.time()
