@@ -71,6 +71,8 @@ class CopyResult:
         skipped: the destination already held this very checkpoint; nothing was written.
         read_back: every chunk was read back from the destination and verified before the commit.
         file_bytes: bytes of the destination's shard files (less than ``stored_bytes`` when compressed).
+        referenced_bytes: an incremental drain: bytes of the shards it referenced on the destination instead of
+            copying them (``ShardRefs.referenced_bytes``); None for a full copy.
     """
 
     step: int
@@ -82,23 +84,26 @@ class CopyResult:
     skipped: bool = False
     read_back: bool = False
     file_bytes: int = 0
+    referenced_bytes: int | None = None
 
     @property
     def bytes_per_s(self) -> float:
         return self.tensor_bytes / self.seconds if self.seconds > 0 else 0.0
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "source": self.source,
-            "destination": self.destination,
-            "tensor_bytes": self.tensor_bytes,
+    def drained_event(self, seconds: float) -> dict[str, Any]:
+        """The sizes and speed a tier's ``drained`` event records (what ``tiersave stats`` sums per tier)."""
+        event: dict[str, Any] = {
+            "total_s": round(seconds, 6),
             "stored_bytes": self.stored_bytes,
-            "seconds": round(self.seconds, 6),
-            "skipped": self.skipped,
-            "read_back": self.read_back,
-            "file_bytes": self.file_bytes,
+            "file_bytes": self.file_bytes,  # fewer when compressed
+            "write_gbps": round(self.stored_bytes / seconds / 1e9, 4) if seconds > 0 else 0.0,
         }
+        if self.referenced_bytes is not None:
+            event["referenced_bytes"] = self.referenced_bytes  # not copied again
+        return event
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "seconds": round(self.seconds, 6)}
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,8 @@ class References(Protocol):
     def work(self) -> Manifest: ...
     @property
     def copied(self) -> Sequence[int]: ...
+    @property
+    def referenced_bytes(self) -> int: ...
     def complete(self, written: Manifest) -> Manifest: ...
     def check_present(self) -> None: ...
 
@@ -349,6 +356,7 @@ def copy_checkpoint(
         time.perf_counter() - started,
         read_back=read_back,
         file_bytes=written.file_bytes,
+        referenced_bytes=refs.referenced_bytes if refs is not None else None,
     )
 
 
