@@ -523,10 +523,7 @@ class TierChain:
                 "tier": tier.name,
                 "outcome": "drained",
                 "time": started_wall,
-                "total_s": round(seconds, 6),
-                "stored_bytes": result.stored_bytes,
-                "file_bytes": result.file_bytes,  # fewer when compressed: tiersave stats sums what it saved
-                "write_gbps": round(result.stored_bytes / seconds / 1e9, 4) if seconds > 0 else 0.0,
+                **result.drained_event(seconds),
             }
         )
         future.set_result(info)
