@@ -1,4 +1,5 @@
-"""``tiersave stats``: the timings of past saves (time blocked, staging, writing, commit, throughput)."""
+"""``tiersave stats``: the timings of past saves (time blocked, staging, writing, commit, throughput), and what
+incremental saves and drains referenced and compressed drains shrank."""
 
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
             tier["drains"] += 1
             tier["bytes"] += int(e.get("stored_bytes", 0))
             tier["file_bytes"] += int(e["file_bytes"])
+            if "referenced_bytes" in e:  # an incremental drain: what it referenced on the tier, not copied
+                tier["referenced_bytes"] = tier.get("referenced_bytes", 0) + int(e["referenced_bytes"])
     if drains:
         out["drains"] = drains
     return out
@@ -78,11 +81,15 @@ def _savings(summary: dict[str, Any]) -> str:
             f"({100 * ref / inc['bytes']:.0f}% referenced, not written again)"
         )
     for name, tier in summary.get("drains", {}).items():
+        referenced = tier.get("referenced_bytes")
         if tier["file_bytes"]:
             lines.append(
                 f"tier {name}: {tier['drains']} drains stored {human_bytes(tier['file_bytes'])} for "
                 f"{human_bytes(tier['bytes'])} of checkpoint ({tier['bytes'] / tier['file_bytes']:.2f}x)"
+                + (f"; {human_bytes(referenced)} referenced, not copied again" if referenced else "")
             )
+        elif referenced:
+            lines.append(f"tier {name}: {tier['drains']} drains copied nothing; {human_bytes(referenced)} referenced")
     return "".join(f"\n{line}" for line in lines)
 
 
