@@ -29,6 +29,7 @@ import operator
 import re
 import time
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 from itertools import accumulate, chain, repeat
 from typing import TYPE_CHECKING, Any
@@ -260,7 +261,7 @@ def merge_parts(
             on the replicated state.
     """
     shards: list[ShardInfo] = []
-    columns: list[list[Any]] = [[] for _ in range(7)]
+    columns: dict[str, list[Any]] = {f: [] for f in _ENTRY_FIELDS}  # by TensorEntry field, never by position
     tree: dict[str, Any] = {}
     layout = _replicated_layout(step, parts)
     replicated_count = 0
@@ -276,23 +277,24 @@ def merge_parts(
             tables.append((part["replicated"].get("table"), REPLICATED_PREFIX))
         got = [table_entries(step, rank, raw, prefix, base, len(mine), chunk_bytes) for raw, prefix in tables]
         if layout is not None:
-            replicated_count += len(got[1][0])
-        rank_cols = [list(chain.from_iterable(c)) for c in zip(*got, strict=True)]
+            replicated_count += len(got[1]["name"])
+        rank_cols = {f: list(chain.from_iterable(g[f] for g in got)) for f in _ENTRY_FIELDS}
         sizes = [s.size for s in mine]
-        local = [shard - base for shard in rank_cols[3]]
-        if not ranges_ok(sizes, local, rank_cols[4], rank_cols[5], ALIGN):
+        local = [shard - base for shard in rank_cols["shard"]]
+        if not ranges_ok(sizes, local, rank_cols["offset"], rank_cols["nbytes"], ALIGN):
             raise ConfigError(
                 f"step {step}: rank {rank} sent tensors outside their shards, overlapping or not {ALIGN}-aligned"
             )
-        for column, values in zip(columns, rank_cols, strict=True):
-            column.extend(values)
+        for f, values in rank_cols.items():
+            columns[f].extend(values)
         tree[rank_key(rank)] = part.get("tree")
     if len({(s.file, s.step) for s in shards}) != len(shards):
         raise ConfigError(f"step {step}: two ranks sent the same shard file")
     # The manifest parser's fast constructor: the columns were checked above, as the parser checks its own.
-    tensors = dict(zip(columns[0], entries_from_columns(tuple(columns)), strict=True))  # type: ignore[arg-type]
-    if len(tensors) != len(columns[0]):
-        raise ConfigError(f"step {step}: {_duplicate(columns[0])!r} was written by more than one rank")
+    ordered = tuple(columns[f] for f in _ENTRY_FIELDS)
+    tensors = dict(zip(columns["name"], entries_from_columns(ordered), strict=True))  # type: ignore[arg-type]
+    if len(tensors) != len(columns["name"]):
+        raise ConfigError(f"step {step}: {_duplicate(columns['name'])!r} was written by more than one rank")
     if layout is not None and replicated_count != layout["count"]:
         raise ConfigError(
             f"step {step}: the ranks wrote {replicated_count} of the {layout['count']} replicated tensors: they "
@@ -359,12 +361,13 @@ def _duplicate(names: list[str]) -> str:
 
 def table_entries(
     step: int, rank: int, raw: Any, prefix: str, base: int, nshards: int, chunk_bytes: int
-) -> tuple[list[Any], ...]:
-    """Rank 0: the columns of a rank's :func:`table_columns` as ``TensorEntry`` fields (names with
+) -> dict[str, list[Any]]:
+    """Rank 0: the columns of a rank's :func:`table_columns` by ``TensorEntry`` field name (names with
     ``prefix``, shard indices moved by ``base``), every value checked column by column.
 
     Raises:
-        ConfigError: the table is malformed (naming the rank and what is wrong).
+        ConfigError: the table is malformed or has a column this version does not write (naming the rank
+            and what is wrong).
     """
 
     def fail(what: str) -> ConfigError:
@@ -372,6 +375,8 @@ def table_entries(
 
     if type(raw) is not dict:
         raise fail("not an object")
+    if unknown := raw.keys() - _TABLE_COLUMNS:  # parts carry no version: an unknown column may hold data
+        raise fail(f"unknown column(s) {sorted(unknown)[:5]} (another tiersave version on that rank?)")
     fields: list[Any] = [raw.get(k) for k in ("names", "dtype", "shape", "dtypes", "shapes", "crc32c")]
     names, dtype, shape, dtypes, shapes, crc = fields
     cols: list[Any] = [raw.get(k) for k in ("shard", "offset", "nbytes")]
@@ -402,15 +407,19 @@ def table_entries(
         ends = list(accumulate(chunks))
         per_tensor = [tuple(crcs[e - c : e]) for c, e in zip(chunks, ends, strict=True)]
     shape_tuples = [tuple(s) for s in shapes]
-    return (
-        list(map(operator.add, repeat(prefix), names)),
-        list(map(dtypes.__getitem__, dtype)),
-        list(map(shape_tuples.__getitem__, shape)),
-        list(map(operator.add, repeat(base), shard)),
-        offset,
-        nbytes,
-        per_tensor,
-    )
+    return {
+        "name": list(map(operator.add, repeat(prefix), names)),
+        "dtype": list(map(dtypes.__getitem__, dtype)),
+        "shape": list(map(shape_tuples.__getitem__, shape)),
+        "shard": list(map(operator.add, repeat(base), shard)),
+        "offset": offset,
+        "nbytes": nbytes,
+        "crc32c": per_tensor,
+    }
+
+
+_TABLE_COLUMNS = frozenset(("names", "dtype", "shape", "dtypes", "shapes", "shard", "offset", "nbytes", "crc32c"))
+_ENTRY_FIELDS = tuple(f.name for f in dataclass_fields(TensorEntry))  # entries_from_columns's order
 
 
 def _ints(values: list[Any], lo: int, hi: int) -> bool:

@@ -92,3 +92,17 @@ def test_two_ranks_naming_the_same_shard_file_are_refused():
     bad["shards"][0]["file"] = "shard-00000-000.bin"
     with pytest.raises(ConfigError, match="step 1: two ranks sent the same shard file"):
         merge([part(0), bad])
+
+
+def test_a_part_merges_by_column_name_whatever_their_order():
+    shuffled = part(1)
+    shuffled["table"] = dict(reversed(list(shuffled["table"].items())))
+    assert merge([part(0), shuffled]).tensors == merge([part(0), part(1)]).tensors
+
+
+def test_a_column_this_version_does_not_write_is_refused_not_dropped():
+    """Parts carry no version: a column from another tiersave may hold data a merge must not drop silently."""
+    newer = part(1)
+    newer["table"]["encoding"] = [0, 0, 0]
+    with pytest.raises(ConfigError, match=r"rank 1 sent a malformed tensor table: unknown column\(s\) \['encoding'\]"):
+        merge([part(0), newer])
