@@ -153,9 +153,9 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, mem_uri, ref
     resumed.checkpointer.close()
 
 
-def test_keep_best_retention_keeps_the_best_by_eval_metric_and_loads_it_at_end(tmp_path):
-    # A scripted evaluation score (higher is better) whose best is early, so rotation would drop it.
-    scores = {2: 0.5, 4: 0.9, 6: 0.3, 8: 0.7, 10: 0.2, 12: 0.1}
+def scored_run(tmp_path: Path, scores: dict[int, float], **overrides: Any) -> tuple[Any, dict[int, Any]]:
+    """A run whose evaluation score (higher is better) at each step is scripted, keeping 1 checkpoint plus
+    the best and loading the best at the end; also the weights at each save, as the Trainer saw them."""
     holder: dict[str, Any] = {}
 
     def compute_metrics(_pred: Any) -> dict[str, float]:
@@ -175,6 +175,7 @@ def test_keep_best_retention_keeps_the_best_by_eval_metric_and_loads_it_at_end(t
         metric_for_best_model="score",
         greater_is_better=True,
         load_best_model_at_end=True,
+        **overrides,
     )
     trainer = TiersaveTrainer(
         model=tiny_gpt2(),
@@ -186,7 +187,13 @@ def test_keep_best_retention_keeps_the_best_by_eval_metric_and_loads_it_at_end(t
         checkpointer=tmp_path / "ckpt",
     )
     holder["trainer"] = trainer
-    trainer.train()
+    trainer.train()  # loads the Trainer's best at the end: it must still be stored
+    return trainer, seen
+
+
+def test_keep_best_retention_keeps_the_best_by_eval_metric_and_loads_it_at_end(tmp_path):
+    # The best is early, so rotation would drop it.
+    trainer, seen = scored_run(tmp_path, {2: 0.5, 4: 0.9, 6: 0.3, 8: 0.7, 10: 0.2, 12: 0.1})
     ckpt = trainer.checkpointer
     assert [c.step for c in ckpt.list()] == [4, 12]  # the best (by eval_score) and the newest
     assert ckpt.info(4).metrics["eval_score"] == 0.9 and "best" in ckpt.info(4).tags
@@ -194,7 +201,7 @@ def test_keep_best_retention_keeps_the_best_by_eval_metric_and_loads_it_at_end(t
     assert all(torch.equal(v, seen[4][k]) for k, v in trainer.model.state_dict().items())  # best loaded at end
     ckpt.restore(tag="best")
     assert ckpt.last_restore is not None and ckpt.last_restore.step == 4
-    assert str(retention_for(args)) == "last=1,newest tag=best"
+    assert str(retention_for(trainer.args)) == "last=1,newest tag=best"
     ckpt.close()
 
 
@@ -241,39 +248,8 @@ def test_the_best_the_trainer_names_survives_a_better_score_at_a_step_between_sa
     """The Trainer names a save its best only when the new best score is that save's own step. A better
     score at an evaluation between saves leaves its best at the older save, while a later save can score
     higher than that older one: retention must still keep the save the Trainer will load at the end."""
-    scores = {2: 0.1, 4: 0.5, 6: 0.9, 8: 0.7, 10: 0.2, 12: 0.1}  # best save is 4; 8 out-scores it, 6 unsaved
-    holder: dict[str, Any] = {}
-
-    def compute_metrics(_pred: Any) -> dict[str, float]:
-        return {"score": scores[holder["trainer"].state.global_step]}
-
-    seen: dict[int, dict[str, torch.Tensor]] = {}
-
-    class Snapshot(TrainerCallback):
-        def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-            seen[state.global_step] = weights(model)
-
-    args = make_args(
-        tmp_path / "out",
-        eval_strategy="steps",
-        eval_steps=2,
-        save_steps=4,
-        save_total_limit=1,
-        metric_for_best_model="score",
-        greater_is_better=True,
-        load_best_model_at_end=True,
-    )
-    trainer = TiersaveTrainer(
-        model=tiny_gpt2(),
-        args=args,
-        train_dataset=Tokens(SAMPLES, 7),
-        eval_dataset=Tokens(8, 3),
-        compute_metrics=compute_metrics,
-        callbacks=[Snapshot()],
-        checkpointer=tmp_path / "ckpt",
-    )
-    holder["trainer"] = trainer
-    trainer.train()  # loads the Trainer's best at the end: it must still be stored
+    # Saves at 4, 8, 12: the best save is 4; 8 out-scores it; 6 (the best score) is not saved.
+    trainer, seen = scored_run(tmp_path, {2: 0.1, 4: 0.5, 6: 0.9, 8: 0.7, 10: 0.2, 12: 0.1}, save_steps=4)
     ckpt = trainer.checkpointer
     assert trainer.state.best_model_checkpoint == "tiersave:step=4"
     assert [c.step for c in ckpt.list()] == [4, 12]  # the Trainer's best and the newest
