@@ -1,13 +1,13 @@
-"""Early writeback of buffered writes: the device starts writing each range soon after it is written.
+"""Early writeback of buffered writes: the disk starts writing each range soon after it is written.
 
 A buffered ``write`` only copies bytes into the page cache, and the ``fsync`` at the end of a file then makes
-the device write all of it at once: the copy and the device's work run one after the other. Here every writer
+the disk write all of it at once: the copy and the disk's work run one after the other. Here every writer
 thread that has written ``TIERSAVE_WRITEBACK_BYTES`` (16 MiB) of consecutive bytes to a file asks the kernel
 to start writing them out (``sync_file_range(fd, offset, n, SYNC_FILE_RANGE_WRITE)``, which queues the I/O
-and returns), so the device works while the next ranges are copied and the final ``fsync`` finds little left
+and returns), so the disk works while the next ranges are copied and the final ``fsync`` finds little left
 (docs/benchmarks.md, "The buffered save, 2026-11-24").
 
-Durability is unchanged: ``sync_file_range`` promises nothing (no metadata, no device cache flush) and the
+Durability is unchanged: ``sync_file_range`` promises nothing (no metadata, no flush of the disk's cache) and the
 writer's final ``fsync`` stays exactly as it was. Only ``SYNC_FILE_RANGE_WRITE`` is used, never the flags that
 wait: a wait reports and *consumes* the file's writeback error (the kernel advances the file's error cursor),
 so a later ``fsync`` of the same file would no longer see it. An error this call returns (EIO, ENOSPC) is
@@ -105,7 +105,7 @@ class Writeback:
 
         Raises:
             OSError: the kernel refused to start the writeback for another reason than not supporting it
-                (an I/O error, no space): the file's bytes may not all reach the device.
+                (an I/O error, no space): the file's bytes may not all reach the disk.
         """
         if not self.enabled:
             return
