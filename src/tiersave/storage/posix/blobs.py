@@ -109,10 +109,11 @@ class LocalBlobWriter:
         try:  # a memory file system has nothing to write back: its page cache is the storage
             self._writeback = Writeback(fd, key, self.io_stats, step=0 if storage.io_policy.memory_fs else None)
             if dfd is None and self._writeback.enabled and self._prealloc_limit:
-                # Blocks allocated at writeback, range by range, from two threads interleave on disk (67
-                # extents for 1 GiB, against 11 written at the fsync), and deleting the file then takes 2-3x
-                # longer: allocate them all now, in one piece where the file system can.
-                preallocate(fd, 0, self._prealloc_limit)
+                # Blocks allocated at writeback, range by range, from two threads interleave on disk (63-68
+                # extents for 1 GiB, against 11-29 written at the fsync), and deleting the file takes longer
+                # (docs/benchmarks.md): allocate them all now, in one piece where the file system can.
+                with os_errors(storage.uri, "creating", key):
+                    preallocate(fd, 0, self._prealloc_limit)
         except BaseException:  # a bad TIERSAVE_WRITEBACK_BYTES: the file just created goes again
             self.abort()
             raise
