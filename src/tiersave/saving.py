@@ -553,9 +553,16 @@ def _abort_prefix(commit: CommitStrategy, prefix: str) -> None:
 
 
 def _io_bytes(storage: Storage) -> dict[str, int] | None:
-    """Bytes the storage moved per I/O path so far (storages with I/O statistics only)."""
+    """Bytes the storage moved per I/O path so far (storages with I/O statistics only), and under
+    ``"writeback"`` the buffered bytes whose writeback it started early."""
     io_stats = getattr(storage, "io_stats", None)
-    return io_stats.bytes_by_path() if io_stats is not None else None
+    if io_stats is None:
+        return None
+    moved: dict[str, int] = io_stats.bytes_by_path()
+    early = getattr(io_stats, "writeback", None)
+    if early is not None and early.bytes:
+        moved["writeback"] = early.bytes
+    return moved
 
 
 def complete_and_follow(saver: Saver, chain: TierChain, pending: PendingSave) -> None:

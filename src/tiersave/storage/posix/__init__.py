@@ -7,6 +7,7 @@ atomic rename and ``fsync``) and, beside it, everything only this backend needs:
 - ``blobs``: the blob writer and reader, direct or buffered per request;
 - ``files``: system-call helpers (directory ``fsync``, rename without replacing, mount type, errors);
 - ``directio``: the mechanics of ``O_DIRECT`` (alignment, bounce buffers, merged edges, refusal);
+- ``writeback``: buffered writes' writeback started early (``sync_file_range``), the final ``fsync`` unchanged;
 - ``policy``: the per-request direct/buffered choice, its knobs and statistics;
 - ``calibration``: the once-per-file-system measurement that feeds the policy, and its cache;
 - ``buffers``: page-aligned host buffers.

@@ -160,7 +160,9 @@ class IOStats:
 
     Paths: ``direct`` (straight between the caller's memory and the disk), ``direct-bounce`` (direct
     I/O through a page-aligned bounce buffer), ``buffered`` (through the page cache), ``blocks`` (the
-    unaligned edges of direct writes, merged into whole blocks and written at ``finish``).
+    unaligned edges of direct writes, merged into whole blocks and written at ``finish``). Apart from the
+    paths, ``writeback``: the ranges of buffered writes whose writeback was started early
+    (:mod:`~tiersave.storage.posix.writeback`; their bytes are also counted under ``buffered``).
 
     Thread safety: every method may be called from many threads.
     """
@@ -171,6 +173,7 @@ class IOStats:
         self._lock = threading.Lock()
         self.paths: dict[str, PathStats] = {p: PathStats() for p in self.PATHS}
         self.reasons: Counter[str] = Counter()
+        self.writeback = PathStats()
 
     def record(self, path: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -178,6 +181,12 @@ class IOStats:
             stats.bytes += nbytes
             stats.seconds += seconds
             stats.calls += 1
+
+    def record_writeback(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.writeback.bytes += nbytes
+            self.writeback.seconds += seconds
+            self.writeback.calls += 1
 
     def note(self, reason: str) -> None:
         with self._lock:
@@ -188,7 +197,11 @@ class IOStats:
         with other._lock:
             paths = {k: PathStats(v.bytes, v.seconds, v.calls) for k, v in other.paths.items()}
             reasons = Counter(other.reasons)
+            wb = PathStats(other.writeback.bytes, other.writeback.seconds, other.writeback.calls)
         with self._lock:
+            self.writeback.bytes += wb.bytes
+            self.writeback.seconds += wb.seconds
+            self.writeback.calls += wb.calls
             for name, s in paths.items():
                 mine = self.paths.setdefault(name, PathStats())
                 mine.bytes += s.bytes
@@ -206,8 +219,11 @@ class IOStats:
             return {k: v.bytes for k, v in self.paths.items() if v.calls}
 
     def to_json(self) -> dict[str, Any]:
-        """``{"paths": {path: {bytes, seconds, calls}}, "reasons": {reason: count}}`` (paths used only)."""
+        """``{"paths": {path: {bytes, seconds, calls}}, "reasons": {reason: count}}`` (paths used only), and
+        ``"writeback": {bytes, seconds, calls}`` when early writeback started any range."""
         with self._lock:
+            wb = self.writeback
+            early = {"writeback": {"bytes": wb.bytes, "seconds": round(wb.seconds, 6), "calls": wb.calls}}
             return {
                 "paths": {
                     k: {"bytes": v.bytes, "seconds": round(v.seconds, 6), "calls": v.calls}
@@ -215,6 +231,7 @@ class IOStats:
                     if v.calls
                 },
                 "reasons": dict(sorted(self.reasons.items())),
+                **(early if wb.calls else {}),
             }
 
     def __repr__(self) -> str:
