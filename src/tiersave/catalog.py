@@ -41,7 +41,7 @@ from .format.layout import (
     step_dirname,
 )
 from .format.manifest import Manifest, TensorEntry
-from .leases import LeaseStore, ReadLease, delete_committed
+from .leases import LeaseStore, ReadLease, Reclaim, delete_committed
 from .policy import KeepLast, RetentionPolicy, plan_retention
 from .references import Pins, referenced
 from .storage.base import BlobReader, Storage
@@ -468,15 +468,15 @@ class Catalog:
 
     # -- deletion ---------------------------------------------------------------------------------
 
-    def delete(self, step: int) -> None:
-        """Delete a committed checkpoint: un-commit it atomically first, then remove its data."""
+    def delete(self, step: int, reclaim: Reclaim | None = None) -> None:
+        """Delete a committed checkpoint: un-commit it atomically first, then remove its data (``reclaim``: later)."""
         attempts: set[str] = set()
         if not self.storage.capabilities.atomic_rename:  # an object store deletes the attempts the manifest names
             try:
                 attempts = {s.file.split("/", 1)[0] for s in self.manifest(step).shards if "/" in s.file}
             except (FormatError, CheckpointNotFoundError):
                 pass
-        delete_committed(self.storage, step, attempts)
+        delete_committed(self.storage, step, attempts, reclaim)
         with self._lock:
             self._cache.pop(step, None)
 
@@ -489,6 +489,7 @@ class Catalog:
         dry_run: bool = False,
         force: bool = False,
         leftovers: bool = True,
+        reclaim: Reclaim | None = None,
     ) -> PruneResult:
         """Apply retention (``keep_last`` newest, or ``policy``; neither: delete no checkpoint) and remove
         the leftovers of interrupted saves. The newest checkpoint, ``protected`` steps and the steps a movable
@@ -498,6 +499,7 @@ class Catalog:
             dry_run: report what would be deleted, delete nothing.
             force: also remove temporary directories or attempts made on other hosts.
             leftovers: also look for (and remove) leftovers of interrupted saves.
+            reclaim: remove the deleted checkpoints' files later (reclaim.py), once renamed away.
         """
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be a positive integer or None, got {keep_last!r}")
@@ -528,11 +530,11 @@ class Catalog:
                     if step not in self.tags.by_step():  # not tagged since the plan (by another process)
                         with self.leases.deleting(step) as unleased:  # no reader of another process holds it
                             if unleased:
-                                self.delete(step)
+                                self.delete(step, reclaim)
                                 done.append(step)
             doomed = done
             self.leases.clean(self.steps)  # expired leases of dead readers
-            removable = self.clean_leftovers(force=force) if leftovers else []
+            removable = self.clean_leftovers(force=force, reclaim=reclaim) if leftovers else []
         else:  # what a real pass would delete now: not the steps a reader holds
             doomed = [step for step in doomed if not self.leases.live(step)]
         return PruneResult(
@@ -582,10 +584,10 @@ class Catalog:
             out.append((name, "live" if alive else ("dead" if alive is False else "unknown")))
         return out
 
-    def clean_leftovers(self, *, force: bool = False) -> list[str]:
+    def clean_leftovers(self, *, force: bool = False, reclaim: Reclaim | None = None) -> list[str]:
         """Remove leftovers of interrupted saves and deletes. A live save's data is always kept; data made
         on another host (shared file system, object store) only with ``force``, or once nothing was added to
-        it for ``TIERSAVE_LEFTOVER_GRACE_S`` (a day by default; an empty one is kept)."""
+        it for ``TIERSAVE_LEFTOVER_GRACE_S`` (a day by default; an empty one is kept); ``reclaim``: later."""
         if not self.storage.capabilities.atomic_rename:
             from .commit import MarkerCommit
 
@@ -593,6 +595,6 @@ class Catalog:
         removed = []
         for name, status in self.leftovers():
             if status == "dead" or (status == "unknown" and force):
-                self.storage.delete_prefix(name)
+                reclaim(self.storage, name) if reclaim is not None else self.storage.delete_prefix(name)
                 removed.append(name)
         return removed

@@ -80,17 +80,25 @@ def _put(storage: Storage, key: str, data: bytes, mode: PutMode) -> None:
         storage.put(key, data, mode=mode)
 
 
-def delete_committed(storage: Storage, step: int, attempts: Collection[str]) -> None:
+Reclaim = Callable[[Storage, str], None]
+"""Removes a renamed-away checkpoint directory later (reclaim.py)."""
+
+
+def delete_committed(storage: Storage, step: int, attempts: Collection[str], reclaim: Reclaim | None = None) -> None:
     """Delete the committed checkpoint of ``step``: un-commit it atomically first, then remove its data, so a
     reader that leases it from now on finds it gone. File systems rename the step's directory to a trash
     name (then remove it); object stores delete the manifest (the commit marker), then ``attempts``: only the
     attempt prefixes that manifest names, as a concurrent re-save of the step writes under its own attempt
-    prefix, which must survive (unnamed leftovers go with ``Catalog.clean_leftovers``)."""
+    prefix, which must survive (unnamed leftovers go with ``Catalog.clean_leftovers``). ``reclaim``: removes
+    the renamed directory later (reclaim.py) instead of now."""
     name = step_dirname(step)
     if storage.capabilities.atomic_rename:
         trash = trash_dirname(step, new_token())
         storage.rename_prefix(name, trash)
-        storage.delete_prefix(trash)
+        if reclaim is not None:
+            reclaim(storage, trash)
+        else:
+            storage.delete_prefix(trash)
         return
     storage.delete(f"{name}/{MANIFEST_NAME}")
     for attempt in sorted(attempts):

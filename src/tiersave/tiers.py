@@ -50,7 +50,9 @@ from .engine.pool import DaemonThreadPool
 from .errors import CheckpointNotFoundError, ConfigError, FormatError, TiersaveError
 from .events import EVENTS_NAME, EventLog, background_warning
 from .format.manifest import Manifest
+from .leases import Reclaim
 from .policy import KeepLast, RetentionPolicy, parse_policy
+from .reclaim import Reclaimer
 from .references import Protection
 from .storage import open_storage
 from .storage.base import Storage
@@ -288,7 +290,8 @@ class TierChain:
         self._lock = threading.Lock()  # a tier's busy/behind state: the commit thread and its drain thread
         self._last_commit_mono: float | None = None
         self._save_period_s: float | None = None
-        self.companions: builtins.list[Companion] = []  # background work beside the drains (peer replicas)
+        self.reclaimer = Reclaimer()  # the first tier's deleted checkpoints' files, removed off the commit thread
+        self.companions: builtins.list[Companion] = [self.reclaimer]  # background work beside the drains
 
     @classmethod
     def of(
@@ -409,7 +412,7 @@ class TierChain:
                 self._send(tier, handle, now)
         handle._set_result(info)
         # retention, and the leftovers of dead writers of this host (a killed save's temporary files)
-        self.retain(self.first, self.first.policy, leftovers=True)
+        self.retain(self.first, self.first.policy, leftovers=True, reclaim=self.reclaimer.later)
 
     def after_node_commit(self, handle: SaveHandle, manifest: Manifest) -> None:
         """Commit thread of another node's leader, once it committed ``manifest`` in its node-local first tier
@@ -418,7 +421,7 @@ class TierChain:
         for companion in self.companions:
             companion.after_commit(handle, self)
         self.first.catalog.remember(manifest)
-        self.retain(self.first, self.first.policy, leftovers=True)
+        self.retain(self.first, self.first.policy, leftovers=True, reclaim=self.reclaimer.later)
 
     def _send(self, tier: TierRuntime, handle: SaveHandle, now: float) -> None:
         """Queue the drain of ``handle``'s checkpoint to ``tier``. A tier still busy with an earlier drain
@@ -535,14 +538,22 @@ class TierChain:
     # -- retention --------------------------------------------------------------------------------
 
     def retain(
-        self, tier: TierRuntime, policy: RetentionPolicy | None, *, warn: bool = True, leftovers: bool = False
+        self,
+        tier: TierRuntime,
+        policy: RetentionPolicy | None,
+        *,
+        warn: bool = True,
+        leftovers: bool = False,
+        reclaim: Reclaim | None = None,
     ) -> builtins.list[int]:
         """Delete what ``policy`` does not keep on ``tier``: never a protected step (being drained from or
-        read), never the tier's newest checkpoint. Returns the deleted steps."""
+        read), never the tier's newest checkpoint (``reclaim``: remove the files later). Returns the deleted
+        steps."""
         if policy is None and not leftovers:
             return []
         try:
-            result = tier.catalog.prune(policy=policy, protected=self.protection.steps(tier.index), leftovers=leftovers)
+            protected = self.protection.steps(tier.index)
+            result = tier.catalog.prune(policy=policy, protected=protected, leftovers=leftovers, reclaim=reclaim)
         except TiersaveError as exc:
             if not warn:
                 raise

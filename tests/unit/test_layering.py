@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.collective",
             "tiersave.replicated",
             "tiersave.tiers",
+            "tiersave.reclaim",
             "tiersave.drain",
             "tiersave.drain_refs",
             "tiersave.autocompress",
