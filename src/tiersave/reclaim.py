@@ -27,7 +27,6 @@ from .events import background_warning
 if TYPE_CHECKING:
     from .handle import SaveHandle
     from .storage.base import Storage
-    from .tiers import TierChain
 
 
 class Reclaimer:
@@ -56,7 +55,7 @@ class Reclaimer:
             with self._lock:
                 self._pending.discard(key)
 
-    def after_commit(self, handle: SaveHandle, chain: TierChain) -> None:
+    def after_commit(self, handle: SaveHandle, chain: object) -> None:
         """Nothing: the reclaimer only runs what retention hands it."""
 
     def pools(self) -> builtins.list[DaemonThreadPool]:
