@@ -49,6 +49,7 @@ from .format.jsonsafe import paused_gc
 from .format.layout import ALIGN
 from .format.manifest import Manifest, ShardInfo, TensorEntry, entries_from_columns
 from .format.tree import T_NDARRAY, T_TENSOR, escape_key
+from .format.view import RankPart
 from .replicated import REPLICATED_PREFIX, Selection, check_agreement
 from .storage.base import Storage
 
@@ -67,6 +68,7 @@ __all__ = [
     "shared_shards",
     "table_columns",
     "table_entries",
+    "view_part",
 ]
 
 _ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
@@ -529,19 +531,32 @@ def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest
     assert rank is not None
     key = rank_key(rank)
     prefix = key + "/"
-    tree = manifest.tree.get(key) if isinstance(manifest.tree, dict) else None
-    if tree is None:
+    tree = manifest.tree.get(key) if isinstance(manifest.tree, dict) and manifest.part is None else manifest.tree
+    if tree is None or manifest.part not in (None, rank):
         raise CorruptCheckpointError(
             f"step {manifest.step}: the manifest has no state for rank {rank}", step=manifest.step
         )
-    tensors = {name: t for name, t in manifest.tensors.items() if name.startswith(prefix)}
     # The replicated tensors in rotated rank order (rank r starts with what rank r wrote, then r+1's...): the
     # ranks of one node then read different files from the device at first and the rest from the page cache.
     shared = [(t.name, t) for t in manifest.tensors.values() if t.name.startswith(REPLICATED_PREFIX)]
+    if manifest.part == rank:  # parsed as this rank's view (view_part): its own tensors come first already
+        tensors = dict(manifest.tensors)
+        for name, _ in shared:
+            del tensors[name]
+    else:
+        tensors = {name: t for name, t in manifest.tensors.items() if name.startswith(prefix)}
     shards = manifest.shards
     shared.sort(key=lambda item: (shards[item[1].shard].rank - rank) % saved)
     tensors.update(shared)
     return replace(manifest, tree=tree, tensors=tensors)
+
+
+def view_part(rank: int | None, world_size: int) -> RankPart | None:
+    """What ``rank`` of a job of ``world_size`` ranks parses of a checkpoint it restores (its view: its own
+    tensors, the replicated ones and its subtree; format/view.py); None: the whole manifest."""
+    if rank is None or world_size == 1:  # a single process: restore(rank=R) keeps the whole one's checks
+        return None
+    return RankPart(rank, rank_key(rank), rank_key(rank) + "/", REPLICATED_PREFIX)
 
 
 def shared_shards(view: Manifest) -> frozenset[int]:
