@@ -30,7 +30,7 @@ import re
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, compress, repeat
 from typing import TYPE_CHECKING, Any
 
 from .commit import tmp_token
@@ -538,13 +538,14 @@ def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest
         )
     # The replicated tensors in rotated rank order (rank r starts with what rank r wrote, then r+1's...): the
     # ranks of one node then read different files from the device at first and the rest from the page cache.
-    shared = [(t.name, t) for t in manifest.tensors.values() if t.name.startswith(REPLICATED_PREFIX)]
+    items, names = manifest.tensors.items(), manifest.tensors.keys()
+    shared = list(compress(items, map(str.startswith, names, repeat(REPLICATED_PREFIX))))  # in C: 10^5 names
     if manifest.part == rank:  # parsed as this rank's view (view_part): its own tensors come first already
         tensors = dict(manifest.tensors)
         for name, _ in shared:
             del tensors[name]
     else:
-        tensors = {name: t for name, t in manifest.tensors.items() if name.startswith(prefix)}
+        tensors = dict(compress(items, map(str.startswith, names, repeat(prefix))))
     shards = manifest.shards
     shared.sort(key=lambda item: (shards[item[1].shard].rank - rank) % saved)
     tensors.update(shared)
