@@ -32,6 +32,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import resource
@@ -128,9 +129,18 @@ def _rank(rank: int, world: int, args: argparse.Namespace, port: int, out: str) 
             del state
             live = moe_state(rank, args.tensors_per_rank, nbytes, 0)
             dist.barrier()
+            profiler = cProfile.Profile() if args.profile_restore else None
+            cpu = time.process_time()
             start = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             ckpt.restore(into=live)
+            if profiler is not None:
+                profiler.disable()
             row["restore"] = time.perf_counter() - start
+            row["restore_cpu"] = time.process_time() - cpu
+            if profiler is not None:
+                profiler.dump_stats(os.path.join(args.profile_restore, f"restore-{world}r-rank{rank}-run{run}.prof"))
             row["bit_exact"] = _same(live, state2)
             if rank == 0:
                 data = (args.root_path / step_dirname(step + 1) / MANIFEST_NAME).read_bytes()
@@ -158,7 +168,7 @@ def rank0_cpu(world: int, args: argparse.Namespace, base: str) -> dict[str, Any]
     from tiersave.format.layout import MANIFEST_NAME, step_dirname
     from tiersave.format.manifest import Manifest
 
-    root = Path(base) / "single"
+    root = Path(base) / f"single-{world}"  # one per world size: a step is never overwritten
     with tiersave.Checkpointer(root, event_log=False, handle_sigterm=False) as ckpt:
         ckpt.save(1, moe_state(0, args.tensors_per_rank, int(args.tensor_kib * 1024), 1))
     m = Manifest.parse((root / step_dirname(1) / MANIFEST_NAME).read_bytes(), path="bench")
@@ -176,7 +186,9 @@ def rank0_cpu(world: int, args: argparse.Namespace, base: str) -> dict[str, Any]
     done_merge = time.process_time()
     data = merged.to_json()
     end = time.process_time()
+    parse = restore_parse_cpu(data, world, args.runs) if args.parse_cpu else {}
     return {
+        **parse,
         "ranks": world,
         "tensors": len(merged.tensors),
         "manifest_bytes": len(data),
@@ -186,6 +198,34 @@ def rank0_cpu(world: int, args: argparse.Namespace, base: str) -> dict[str, Any]
         "merge_cpu_s": done_merge - decoded,
         "encode_cpu_s": end - done_merge,
     }
+
+
+def restore_parse_cpu(data: bytes, world: int, runs: int) -> dict[str, Any]:
+    """What rank 1 parses of the global manifest ``data`` at a restore, in CPU seconds, medians of ``runs``
+    interleaved repetitions: the whole manifest then its part (``rank_view``), as every rank did before, and,
+    where this tree has it, only its view (``Manifest.parse(..., part=)``)."""
+    import gc
+
+    from tiersave import collective
+    from tiersave.format.manifest import Manifest
+
+    part = getattr(collective, "view_part", lambda rank, world: None)(1, world)
+    whole: list[float] = []
+    view: list[float] = []
+    for _ in range(runs):
+        for kind, times in (("whole", whole), ("view", view)):
+            if kind == "view" and part is None:
+                continue
+            gc.collect()
+            start = time.process_time()
+            parsed = Manifest.parse(data, path="bench", part=part) if kind == "view" else Manifest.parse(data, path="b")
+            collective.rank_view(parsed, 1, world)
+            times.append(time.process_time() - start)
+            del parsed
+    out = {"parse_whole_cpu_s": statistics.median(whole)}
+    if view:
+        out["parse_view_cpu_s"] = statistics.median(view)
+    return out
 
 
 def _free_port() -> int:
@@ -220,6 +260,7 @@ def summarize(world: int, by_rank: dict[int, list[dict[str, Any]]]) -> dict[str,
         "async_blocked_s": slowest("async_blocked"),
         "async_total_s": slowest("async_total"),
         "restore_s": slowest("restore"),
+        "restore_cpu_s": {r: _median(by_rank[r], "restore_cpu") for r in by_rank},
         "bit_exact": all(row["bit_exact"] for rows in by_rank.values() for row in rows),
         "manifest_bytes": _median(r0, "manifest_bytes"),
         "manifest_parse_s": _median(r0, "manifest_parse"),
@@ -252,7 +293,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where the roots go (default: a temporary directory)")
     p.add_argument("--json", default=None, help="write the summaries here")
     p.add_argument("--timeout", type=float, default=600.0, help="coordination_timeout_s of every rank")
+    p.add_argument(
+        "--profile-restore",
+        default=None,
+        metavar="DIR",
+        help="profile every rank's restore (cProfile) into DIR/restore-<N>r-rank<R>-run<I>.prof",
+    )
     p.add_argument("--rank0-cpu", action="store_true", help="only rank 0's commit path, in this process (CPU s)")
+    p.add_argument(
+        "--parse-cpu",
+        action="store_true",
+        help="with --rank0-cpu: also a rank's parse of the global manifest at a restore (CPU s, --runs reps)",
+    )
     args = p.parse_args(argv)
     if any(n < 1 for n in args.ranks) or args.tensors_per_rank < 1 or args.tensor_kib <= 0 or args.runs < 1:
         p.error("--ranks, --tensors-per-rank, --tensor-kib and --runs must be positive")

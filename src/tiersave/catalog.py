@@ -33,14 +33,9 @@ from .errors import (
     TiersaveError,
 )
 from .format.checksum import chunk_ranges
-from .format.layout import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    is_leftover,
-    parse_step_dirname,
-    step_dirname,
-)
+from .format.layout import MANIFEST_NAME, MAX_MANIFEST_BYTES, is_leftover, parse_step_dirname, step_dirname
 from .format.manifest import Manifest, TensorEntry
+from .format.view import RankPart
 from .leases import LeaseStore, ReadLease, Reclaim, delete_committed
 from .policy import KeepLast, RetentionPolicy, plan_retention
 from .references import Pins, referenced
@@ -278,8 +273,9 @@ class Catalog:
         listed = set(self.storage.list_dirs(""))
         return sorted(n for n in lacking if n in listed and not self.storage.exists(f"{n}/{MANIFEST_NAME}"))
 
-    def manifest(self, step: int) -> Manifest:
-        """The validated manifest of ``step`` (cached: committed checkpoints never change)."""
+    def manifest(self, step: int, part: RankPart | None = None) -> Manifest:
+        """The validated manifest of ``step`` (cached: committed checkpoints never change); with ``part``, one
+        rank's view of it (format/view.py, not cached) unless the whole manifest is."""
         with self._lock:
             cached = self._cache.get(step)
         if cached is not None:
@@ -289,9 +285,10 @@ class Catalog:
             data = self.storage.get(key, max_bytes=MAX_MANIFEST_BYTES)
         except ObjectNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.storage.uri}") from None
-        manifest = Manifest.parse(data, path=f"{self.storage.uri.rstrip('/')}/{key}", expect_step=step)
-        with self._lock:
-            self._cache[step] = manifest
+        manifest = Manifest.parse(data, path=f"{self.storage.uri.rstrip('/')}/{key}", expect_step=step, part=part)
+        if manifest.part is None:  # a view is not the checkpoint: never served to a caller wanting it whole
+            with self._lock:
+                self._cache[step] = manifest
         return manifest
 
     def pin(self, step: int | None = None) -> Manifest | None:
@@ -372,10 +369,11 @@ class Catalog:
 
     # -- reading ----------------------------------------------------------------------------------
 
-    def open(self, step: int) -> OpenCheckpoint:
+    def open(self, step: int, part: RankPart | None = None) -> OpenCheckpoint:
         """``step`` opened for reading under a read lease (leases.py) on it and on the steps it references,
-        held until the checkpoint is closed (a committed manifest never changes: the lease checks it still is)."""
-        m = self.manifest(step)
+        held until the checkpoint is closed (a committed manifest never changes: the lease checks it still is).
+        ``part``: a rank's restore reads only its view (:meth:`manifest`)."""
+        m = self.manifest(step, part)
         return OpenCheckpoint(self.storage, m, step_dirname(step), self.leases.take(step, m.referenced_steps))
 
     def verify(

@@ -28,10 +28,10 @@ import math
 import operator
 import re
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields as dataclass_fields
 from dataclasses import replace
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, compress, repeat
 from typing import TYPE_CHECKING, Any
 
 from .commit import tmp_token
@@ -39,9 +39,7 @@ from .errors import (
     ConfigError,
     CorruptCheckpointError,
     FormatError,
-    ObjectNotFoundError,
     StateMismatchError,
-    StorageError,
 )
 from .format import layout as _layout
 from .format.columns import ranges_ok
@@ -50,8 +48,8 @@ from .format.jsonsafe import paused_gc
 from .format.layout import ALIGN
 from .format.manifest import Manifest, ShardInfo, TensorEntry, entries_from_columns
 from .format.tree import T_NDARRAY, T_TENSOR, escape_key
+from .format.view import RankPart
 from .replicated import REPLICATED_PREFIX, Selection, check_agreement
-from .storage.base import Storage
 
 if TYPE_CHECKING:  # pragma: no cover
     from .dist import CoordinationGroup
@@ -68,6 +66,7 @@ __all__ = [
     "shared_shards",
     "table_columns",
     "table_entries",
+    "view_part",
 ]
 
 _ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
@@ -460,56 +459,6 @@ def _replicated_layout(step: int, parts: Sequence[Any]) -> dict[str, Any] | None
     return first
 
 
-def check_shards_visible(
-    storage: Storage, prefix: str, manifest: Manifest, ranks: Collection[int] | None = None, *, rank: int = 0
-) -> None:
-    """Rank 0 (``rank``: the node leader checking its node), before committing: every rank's shard is where the
-    commit will make it visible, at its size (only the shards of ``ranks`` when given: a node-local memory tier
-    holds its own node's ranks' shards).
-
-    Raises:
-        CorruptCheckpointError: a shard is missing or has another size: the root is not shared by the ranks
-            (each node has its own disk or memory), a rank's write went elsewhere, or another process removed
-            or changed the attempt's files after they were written (the only cause when it is ``rank``'s own).
-    """
-    for shard in manifest.shards:
-        if (ranks is not None and shard.rank not in ranks) or shard.step is not None:
-            continue  # a reference lies in an earlier committed step: saving.py checks that step is still there
-        key = f"{prefix}/{shard.file.rsplit('/', 1)[-1]}"
-        try:
-            size = storage.head(key).size
-        except ObjectNotFoundError:
-            size = None
-        if size != shard.size:
-            raise CorruptCheckpointError(
-                _not_visible(storage, prefix, manifest.step, shard, size, rank), step=manifest.step, file=shard.file
-            )
-
-
-def _not_visible(storage: Storage, prefix: str, step: int, shard: ShardInfo, size: int | None, rank: int) -> str:
-    """Why ``shard`` is missing or has another size, as far as ``rank``, which checks, can tell: the root is to
-    blame only for another rank's shard; its own shard it wrote itself where it now looks."""
-
-    found = "not visible" if size is None else f"{size} bytes, not {shard.size}"
-    text = f"step {step}: rank {shard.rank}'s shard {shard.file} is {found} to rank {rank} under {storage.uri}"
-    try:
-        emptied = next(iter(storage.list(prefix)), None) is None
-    except StorageError:
-        emptied = False
-    if emptied:
-        text += f" (nothing is left of the attempt {prefix})"
-    removed = (
-        "another process removed or changed the attempt's files after they were written (a second job, "
-        "benchmark run or clean-up working in the same root, or a person); nothing is committed"
-    )
-    if shard.rank == rank:
-        return f"{text}, although rank {rank} wrote it there itself before this check: {removed}"
-    return (
-        f"{text}; every rank must save to one root that all of them see (a shared file system or an object "
-        f"store), not a node-local directory; if the root is shared, {removed}"
-    )
-
-
 def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest:
     """The part of ``manifest`` that ``rank`` of a job of ``world_size`` ranks restores.
 
@@ -538,19 +487,33 @@ def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest
     assert rank is not None
     key = rank_key(rank)
     prefix = key + "/"
-    tree = manifest.tree.get(key) if isinstance(manifest.tree, dict) else None
-    if tree is None:
+    tree = manifest.tree.get(key) if isinstance(manifest.tree, dict) and manifest.part is None else manifest.tree
+    if tree is None or manifest.part not in (None, rank):
         raise CorruptCheckpointError(
             f"step {manifest.step}: the manifest has no state for rank {rank}", step=manifest.step
         )
-    tensors = {name: t for name, t in manifest.tensors.items() if name.startswith(prefix)}
     # The replicated tensors in rotated rank order (rank r starts with what rank r wrote, then r+1's...): the
     # ranks of one node then read different files from the device at first and the rest from the page cache.
-    shared = [(t.name, t) for t in manifest.tensors.values() if t.name.startswith(REPLICATED_PREFIX)]
+    items, names = manifest.tensors.items(), manifest.tensors.keys()
+    shared = list(compress(items, map(str.startswith, names, repeat(REPLICATED_PREFIX))))  # in C: 10^5 names
+    if manifest.part == rank:  # parsed as this rank's view (view_part): its own tensors come first already
+        tensors = dict(manifest.tensors)
+        for name, _ in shared:
+            del tensors[name]
+    else:
+        tensors = dict(compress(items, map(str.startswith, names, repeat(prefix))))
     shards = manifest.shards
     shared.sort(key=lambda item: (shards[item[1].shard].rank - rank) % saved)
     tensors.update(shared)
     return replace(manifest, tree=tree, tensors=tensors)
+
+
+def view_part(rank: int | None, world_size: int) -> RankPart | None:
+    """What ``rank`` of a job of ``world_size`` ranks parses of a checkpoint it restores (its view: its own
+    tensors, the replicated ones and its subtree; format/view.py); None: the whole manifest."""
+    if rank is None or world_size == 1:  # a single process: restore(rank=R) keeps the whole one's checks
+        return None
+    return RankPart(rank, rank_key(rank), rank_key(rank) + "/", REPLICATED_PREFIX)
 
 
 def shared_shards(view: Manifest) -> frozenset[int]:

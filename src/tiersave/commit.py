@@ -33,20 +33,25 @@ import socket
 import threading
 import time
 import zlib
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._crash import crashpoint
 from .errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
     ConfigError,
+    CorruptCheckpointError,
     FormatError,
     ObjectNotFoundError,
     StorageError,
 )
 from .format.layout import MANIFEST_NAME, MAX_MANIFEST_BYTES, new_token, parse_step_dirname, step_dirname, tmp_dirname
 from .storage.base import Storage
+
+if TYPE_CHECKING:
+    from .format.manifest import Manifest, ShardInfo
 
 log = logging.getLogger(__name__)
 
@@ -488,3 +493,53 @@ def commit_for(storage: Storage) -> RenameCommit | MarkerCommit:
     if caps.conditional_put:
         return MarkerCommit(storage)
     raise ConfigError(f"{storage.uri} has neither atomic rename nor a create-only put: no atomic commit is possible")
+
+
+def check_shards_visible(
+    storage: Storage, prefix: str, manifest: Manifest, ranks: Collection[int] | None = None, *, rank: int = 0
+) -> None:
+    """Rank 0 (``rank``: the node leader checking its node), before committing: every rank's shard is where the
+    commit will make it visible, at its size (only the shards of ``ranks`` when given: a node-local memory tier
+    holds its own node's ranks' shards).
+
+    Raises:
+        CorruptCheckpointError: a shard is missing or has another size: the root is not shared by the ranks
+            (each node has its own disk or memory), a rank's write went elsewhere, or another process removed
+            or changed the attempt's files after they were written (the only cause when it is ``rank``'s own).
+    """
+    for shard in manifest.shards:
+        if (ranks is not None and shard.rank not in ranks) or shard.step is not None:
+            continue  # a reference lies in an earlier committed step: saving.py checks that step is still there
+        key = f"{prefix}/{shard.file.rsplit('/', 1)[-1]}"
+        try:
+            size = storage.head(key).size
+        except ObjectNotFoundError:
+            size = None
+        if size != shard.size:
+            raise CorruptCheckpointError(
+                _not_visible(storage, prefix, manifest.step, shard, size, rank), step=manifest.step, file=shard.file
+            )
+
+
+def _not_visible(storage: Storage, prefix: str, step: int, shard: ShardInfo, size: int | None, rank: int) -> str:
+    """Why ``shard`` is missing or has another size, as far as ``rank``, which checks, can tell: the root is to
+    blame only for another rank's shard; its own shard it wrote itself where it now looks."""
+
+    found = "not visible" if size is None else f"{size} bytes, not {shard.size}"
+    text = f"step {step}: rank {shard.rank}'s shard {shard.file} is {found} to rank {rank} under {storage.uri}"
+    try:
+        emptied = next(iter(storage.list(prefix)), None) is None
+    except StorageError:
+        emptied = False
+    if emptied:
+        text += f" (nothing is left of the attempt {prefix})"
+    removed = (
+        "another process removed or changed the attempt's files after they were written (a second job, "
+        "benchmark run or clean-up working in the same root, or a person); nothing is committed"
+    )
+    if shard.rank == rank:
+        return f"{text}, although rank {rank} wrote it there itself before this check: {removed}"
+    return (
+        f"{text}; every rank must save to one root that all of them see (a shared file system or an object "
+        f"store), not a node-local directory; if the root is shared, {removed}"
+    )

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._crash import crashpoint
 from .catalog import CheckpointInfo
-from .collective import check_shards_visible
+from .commit import check_shards_visible
 from .drain import copy_shards, destination_names
 from .engine.pool import DaemonThreadPool
 from .errors import (

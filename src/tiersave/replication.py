@@ -39,6 +39,7 @@ from .catalog import Catalog, CheckpointInfo, OpenCheckpoint
 from .engine.pool import DaemonThreadPool
 from .errors import CheckpointNotFoundError, ConfigError, TiersaveError
 from .events import background_warning
+from .format.view import RankPart
 from .partdrain import PartDrains
 from .replica import PeerAddress, PeerClient, ReplicaServer, fetch_part
 from .replica_read import read_from_holders
@@ -404,13 +405,18 @@ def _tagged(catalog: Catalog, steps: list[int], tag: str | None) -> list[int]:
 
 
 def read_copy(
-    replicas: Replicas | None, tier: TierRuntime, step: int, read: Callable[[OpenCheckpoint], T]
+    replicas: Replicas | None,
+    tier: TierRuntime,
+    step: int,
+    read: Callable[[OpenCheckpoint], T],
+    part: RankPart | None = None,
 ) -> tuple[T, str]:
     """Run ``read`` (the restore) over ``tier``'s copy of ``step``, or, when this node's memory lost it (a
     replacement node), over this rank's part streamed from a peer's replica. Returns ``read``'s result and
-    where the bytes came from. Raises as :meth:`Replicas.read`."""
+    where the bytes came from. ``part``: the rank's view of the manifest is all it parses (Catalog.open).
+    Raises as :meth:`Replicas.read`."""
     if replicas is None or tier is not replicas.tier or step in tier.catalog.steps():
-        with tier.catalog.open(step) as ckpt:
+        with tier.catalog.open(step, part) as ckpt:
             return read(ckpt), tier.storage.uri
     result, node = replicas.read(step, read)
     return result, f"{tier.storage.uri} (pulled from node {node}'s replica)"

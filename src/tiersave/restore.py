@@ -31,7 +31,7 @@ import torch
 
 from . import replication, splitverify
 from .catalog import OpenCheckpoint
-from .collective import Collective, rank_view, shared_shards
+from .collective import Collective, rank_view, shared_shards, view_part
 from .engine.reader import ReadRequest, verify_in_memory
 from .errors import (
     CheckpointNotFoundError,
@@ -160,7 +160,7 @@ def restore_from(
                             job.finish()
                         return job
 
-                    job, source = replication.read_copy(replicas, tier, candidate, read)
+                    job, source = replication.read_copy(replicas, tier, candidate, read, view_part(rank, world_size))
                 except (FormatError, CheckpointNotFoundError, StorageError) as exc:  # this copy is unusable
                     error = exc
                 except TiersaveError as exc:  # not a matter of this copy: every rank stops here

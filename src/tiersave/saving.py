@@ -25,8 +25,8 @@ import torch
 
 from . import partdrain
 from .catalog import CheckpointInfo
-from .collective import check_shards_visible, global_manifest, rank_part
-from .commit import CommitStrategy
+from .collective import global_manifest, rank_part
+from .commit import CommitStrategy, check_shards_visible
 from .engine.increment import Increment
 from .engine.pipeline import GROUP_BYTES, StagedWrite, Written
 from .engine.stage import HostCopier, StagingArena, needs_pinned

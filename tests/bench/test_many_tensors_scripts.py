@@ -1,10 +1,12 @@
-"""benchmarks/many_tensors.py, manifest_scale.py and vectored_reads.py: tiny runs print the figures the docs
-quote (docs/benchmarks.md, issue 15) and write the plot and the JSON they are asked for."""
+"""benchmarks/many_tensors.py, manifest_scale.py, vectored_reads.py and ranks_many_tensors.py: tiny runs print
+the figures the docs quote (docs/benchmarks.md, issues 10 and 15) and write the plot, the JSON and the
+profiles they are asked for."""
 
 from __future__ import annotations
 
 import json
 import os
+import pstats
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +85,26 @@ def test_dcp_many_tensors_times_the_three_paths_and_writes_its_json(tmp_path: Pa
     assert set(row) == {"tiersave", "dcp+tiersave", "dcp"}
     assert all(r["save_ms"] > 0 and r["load_ms"] > 0 for r in row.values())
     assert not (tmp_path / "d" / "n50").exists()  # each count's checkpoints are removed after it
+
+
+def test_two_ranks_profile_their_restore_and_report_its_cpu(tmp_path: Path) -> None:
+    prof, js = tmp_path / "prof", tmp_path / "out.json"
+    prof.mkdir()
+    common = ("--tensors-per-rank", "300", "--runs", "1", "--dir", str(tmp_path), "--timeout", "120")
+    args = ("--ranks", "2", *common, "--profile-restore", str(prof), "--json", str(js))
+    _run("ranks_many_tensors.py", *args, cwd=tmp_path)
+    (summary,) = json.loads(js.read_text())
+    assert summary["bit_exact"] and set(summary["restore_cpu_s"]) == {"0", "1"}
+    assert all(cpu > 0 for cpu in summary["restore_cpu_s"].values())
+    for rank in (0, 1):
+        stats = pstats.Stats(str(prof / f"restore-2r-rank{rank}-run0.prof")).stats  # type: ignore[attr-defined]
+        assert any(func == "restore_from" for _, _, func in stats)
+
+
+def test_parse_mode_times_the_whole_parse_and_the_view(tmp_path: Path) -> None:
+    js = tmp_path / "parse.json"
+    args = ("--rank0-cpu", "--parse-cpu", "--ranks", "2", "4", "--tensors-per-rank", "300", "--runs", "1")
+    _run("ranks_many_tensors.py", *args, "--dir", str(tmp_path), "--json", str(js), cwd=tmp_path)
+    rows = json.loads(js.read_text())
+    assert [r["ranks"] for r in rows] == [2, 4]
+    assert all(r["parse_whole_cpu_s"] > 0 and r["parse_view_cpu_s"] > 0 for r in rows)

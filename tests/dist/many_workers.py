@@ -89,7 +89,49 @@ def over_the_cap(rank: int, world: int, rec: dict[str, Any]) -> None:
         rec["after"] = ckpt.latest().step
 
 
-SCENARIOS = {f.__name__: f for f in (many_round_trip, over_the_cap)}
+def forged_row(rank: int, world: int, rec: dict[str, Any]) -> None:
+    """Step 2's committed manifest resealed with one of rank 0's rows moved past its shard's end: every rank
+    parses only its own view of it (fresh Checkpointers: nothing cached from the save), yet rank 1, whose rows
+    are intact, refuses the copy too (the table is checked whole), and every rank falls back to step 1."""
+    import json
+    import warnings
+
+    from tiersave.format.layout import MANIFEST_NAME, step_dirname
+    from tiersave.format.manifest import seal
+
+    with tiersave.Checkpointer(ROOT, coordination_timeout_s=TIMEOUT_S, event_log=False) as ckpt:
+        ckpt.save(1, state(rank, 1), replicated=["shared"])
+        ckpt.save(2, state(rank, 2), replicated=["shared"])
+    dist.barrier()
+    if rank == 0:
+        path = ROOT / step_dirname(2) / MANIFEST_NAME
+        doc = json.loads(path.read_bytes())
+        rec["format_version"] = doc["format_version"]
+        shared, suffixes = doc["table"]["names"]
+        name = ""
+        for i, (k, suffix) in enumerate(zip(shared, suffixes, strict=True)):
+            name = name[:k] + suffix
+            if name.startswith("rank-00000/model.") and i + 1 < len(shared):
+                break
+        rec["forged"] = name
+        offsets = doc["table"]["offset"]  # 4 KiB units, each the delta to the row before
+        offsets[i] += 1 << 20
+        offsets[i + 1] -= 1 << 20
+        path.chmod(0o644)
+        path.write_bytes(seal(doc))
+    dist.barrier()
+    with tiersave.Checkpointer(ROOT, coordination_timeout_s=TIMEOUT_S, event_log=False) as ckpt:
+        live = state(rank, 0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ckpt.restore(into=live)
+        rec["restored_1"] = same(live, state(rank, 1))
+        rec["report_step"] = ckpt.last_restore.step if ckpt.last_restore is not None else None
+        rec["skipped"] = [[s, why] for s, why in ckpt.last_restore.skipped] if ckpt.last_restore else []
+        rec["warnings"] = [str(w.message) for w in caught]
+
+
+SCENARIOS = {f.__name__: f for f in (many_round_trip, over_the_cap, forged_row)}
 
 if __name__ == "__main__":
     run_rank(SCENARIOS[sys.argv[1]])

@@ -60,3 +60,22 @@ def test_a_global_manifest_over_the_cap_fails_every_rank_before_the_commit(launc
         assert rec["latest"] is None and rec["after"] == 2
         assert not [e for e in rec["entries"] if e.startswith("step-1")], rec["entries"]
     assert Catalog(LocalStorage(root)).steps() == [2]
+
+
+def test_a_forged_row_of_another_rank_makes_every_rank_refuse_the_copy(launch, tmp_path):
+    """Each rank parses only its view of the global manifest (its rows, its subtree), but the table is checked
+    whole: rank 1 refuses a resealed manifest whose forged row is rank 0's, and both restore step 1."""
+    env = {
+        "TIERSAVE_TEST_ROOT": str(tmp_path / "ckpt"),
+        "TIERSAVE_TEST_TENSORS": "6000",
+        "TIERSAVE_DIST_TIMEOUT": "120",
+    }
+    job = launch("forged_row", 2, env=env, script=SCRIPT, deadline_s=600)
+    forged = job.rank(0).get("forged", "")
+    assert forged.startswith("rank-00000/model.") and job.rank(0)["format_version"].startswith("4."), job.rank(0)
+    for r in range(2):
+        rec = job.rank(r)
+        assert "crash" not in rec, (rec, job.logs)
+        assert rec["restored_1"] and rec["report_step"] == 1, rec
+        assert [s for s, _ in rec["skipped"]] == [2], rec
+    assert forged in job.rank(1)["skipped"][0][1], job.rank(1)  # rank 1 found rank 0's row out of range itself

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tiersave
+from tiersave.collective import merge_parts, rank_part, rank_view, view_part
 from tiersave.format import compact
 from tiersave.format.manifest import Manifest, seal
 from tiersave.format.tree import TAGS, validate_tree
@@ -80,14 +81,24 @@ class Audit:
 
 
 def parse_like_restore(data: bytes) -> None:
-    m = Manifest.parse(data, path="fuzz/manifest.json")
-    decode_placeholders(m.tree)
+    """The whole parse, then rank 1's view of a 2-rank checkpoint (docs/format.md 4.5; the whole parse again for
+    a manifest of one rank), each tried on its own: either may refuse what the other accepts."""
+    failure: tiersave.TiersaveError | None = None
+    for part in (None, view_part(1, 2)):
+        try:
+            m = Manifest.parse(data, path="fuzz/manifest.json", part=part)
+            decode_placeholders(rank_view(m, 1, 2).tree if m.part is not None else m.tree)
+        except tiersave.TiersaveError as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
-@pytest.fixture(scope="module", params=["entries", "compact"])
+@pytest.fixture(scope="module", params=["entries", "compact", "collective"])
 def base_doc(tmp_path_factory, request) -> dict:
     """A real manifest with every kind of value a tree holds, with its tensor table per entry (1.x) and as
-    columns with tensor runs in the tree (4.0, docs/format.md 4.4)."""
+    columns with tensor runs in the tree (4.0, docs/format.md 4.4); and two ranks' parts of it merged into a
+    compact global manifest, as rank 0 commits it, which a rank's restore parses as its view."""
     root = tmp_path_factory.mktemp("fuzz") / "ckpt"
     state = {
         "model": {"w": torch.randn(8, 4), "b": torch.zeros(3, dtype=torch.bfloat16)},
@@ -99,14 +110,25 @@ def base_doc(tmp_path_factory, request) -> dict:
         "step": 7,
     }
     saved = compact.COMPACT_MIN_TENSORS
-    compact.COMPACT_MIN_TENSORS = 1 if request.param == "compact" else saved
+    compact.COMPACT_MIN_TENSORS = 1 if request.param != "entries" else saved
     try:
         with tiersave.Checkpointer(root, event_log=False) as ckpt:
             ckpt.save(7, state, metrics={"loss": 0.5}, tags=["t"])
+        data = (root / "step-0000000007" / "manifest.json").read_bytes()
+        if request.param == "collective":
+            m = Manifest.parse(data, path="fuzz")
+            parts = [json.loads(json.dumps(rank_part(r, m.shards, m.tensors, m.tree))) for r in (0, 1)]
+            for r, part in enumerate(parts):  # each rank's own shard files, as a collective save names them
+                for i, shard in enumerate(part["shards"]):
+                    shard["file"] = f"shard-{r:05d}-{i:03d}.bin"
+            merged = merge_parts(7, parts, chunk_bytes=m.chunk_bytes, metrics={}, tags=(), metadata={}, stats={})
+            data = merged.to_json()
     finally:
         compact.COMPACT_MIN_TENSORS = saved
-    doc = json.loads((root / "step-0000000007" / "manifest.json").read_bytes())
-    assert ("table" in doc) == (request.param == "compact")
+    doc = json.loads(data)
+    assert ("table" in doc) == (request.param != "entries") and doc["world_size"] == (
+        2 if request.param == "collective" else 1
+    )
     Audit.install()
     parse_like_restore(seal(copy.deepcopy(doc)))  # warm: every lazy import is done before the hook is armed
     if "tensors" in doc:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 import tiersave
-from tiersave.collective import check_shards_visible, merge_parts, rank_part
+from tiersave.collective import merge_parts, rank_part
+from tiersave.commit import check_shards_visible
 from tiersave.format.manifest import ShardInfo, TensorEntry
 from tiersave.storage.posix import LocalStorage
 

@@ -59,6 +59,7 @@ from .sealing import SHA256_HEX, VERSION_RE, check_seal
 from .sealing import seal as seal  # re-exported: writers and tests seal documents through this module
 from .tree import validate_tree
 from .treeruns import TreeRuns, compress_tree
+from .view import RankPart, check_runs_inside, select_rows, shared_names, subtree
 
 _MAX_INT = (1 << 63) - 1
 _MAX_NDIM = 64
@@ -218,6 +219,9 @@ class Manifest:
     """The hash function of the shards' ``content`` pieces (``checksum.content``; SHA-256 when absent)."""
     manifest_verified: bool = True
     """False for a manifest written before format 1.1, which carries no checksum of its own."""
+    part: int | None = None
+    """The rank whose view this is (``parse(..., part=)``, format/view.py): ``tree`` is its subtree and
+    ``tensors`` its own and the replicated ones. None: the whole checkpoint. A view is never written."""
 
     @property
     def total_bytes(self) -> int:
@@ -250,6 +254,8 @@ class Manifest:
             return self._to_json()
 
     def _to_json(self) -> bytes:
+        if self.part is not None:
+            raise FormatError(f"step {self.step}: rank {self.part}'s view of a manifest cannot be written")
         names, entries = list(self.tensors), list(self.tensors.values())
         compact = len(names) >= _compact.COMPACT_MIN_TENSORS  # docs/format.md 4.4: columns, format 4.x / 5.x
         tree, runs = compress_tree(self.tree, names) if compact else (self.tree, False)
@@ -288,8 +294,11 @@ class Manifest:
         _Checker(path or f"step {self.step}").check_manifest(self)
 
     @classmethod
-    def parse(cls, data: bytes, *, path: str, expect_step: int | None = None) -> Manifest:
+    def parse(cls, data: bytes, *, path: str, expect_step: int | None = None, part: RankPart | None = None) -> Manifest:
         """Parse and fully validate manifest bytes read from ``path``.
+
+        ``part``: of a checkpoint of several ranks, build only that rank's view (format/view.py; the whole
+        document is still sealed and its table checked row by row); of any other, the whole manifest.
 
         Raises:
             FormatError: not a valid v1 manifest.
@@ -297,15 +306,17 @@ class Manifest:
             CorruptCheckpointError: the manifest contradicts where it was found (``expect_step``).
         """
         with paused_gc():
-            return cls._parse(data, path=path, expect_step=expect_step)
+            return cls._parse(data, path=path, expect_step=expect_step, part=part)
 
     @classmethod
-    def _parse(cls, data: bytes, *, path: str, expect_step: int | None) -> Manifest:
+    def _parse(cls, data: bytes, *, path: str, expect_step: int | None, part: RankPart | None) -> Manifest:
         # Table depths: checked by _Checker.tensors (10^5 entries: a tenth of the parse), implied by TableDecoder
-        doc = loads_strict(data, what=path, max_bytes=MAX_MANIFEST_BYTES, defer_depth=("tensors", "table"))
+        # A view's tree depth too: only the subtree it walks is checked (build)
+        defer = ("tensors", "table", "tree") if part is not None else ("tensors", "table")
+        doc = loads_strict(data, what=path, max_bytes=MAX_MANIFEST_BYTES, defer_depth=defer)
         try:
             verified = check_seal(doc, path, data)
-            manifest = _Checker(path).build(doc)
+            manifest = _Checker(path, part).build(doc)
         except RecursionError:  # cannot happen within the caps; a typed error if the stack was already deep
             raise FormatError(f"{path}: nested too deeply to validate", path=path) from None
         if not verified:
@@ -323,8 +334,9 @@ class Manifest:
 class _Checker:
     """Validation with messages that name the manifest and the field."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, part: RankPart | None = None) -> None:
         self.path = path
+        self.part = part
         self.strict_fields = True
         self.shard_fields = _SHARD_FIELDS
         self.checksum_fields = _CHECKSUM_FIELDS
@@ -414,17 +426,28 @@ class _Checker:
             raise self.fail("shards must be an array")
         shards = [self.shard(i, raw, world_size, step, chunk_bytes) for i, raw in enumerate(doc["shards"])]
 
-        tree = doc["tree"]
+        part = self.part if self.part is not None and self.part.applies(world_size) else None
+        tree = doc["tree"] if part is None else subtree(doc["tree"], part, self.fail)
+        if self.part is not None:  # loads_strict left the tree's depth to here (a subtree is at level 3)
+            check_depth(tree, what=self.path, start=2 if part is None else 3)
         if "table" in self.top_fields:
             self.columns = TableDecoder(self.fail, max_ndim=_MAX_NDIM, max_name=_MAX_NAME, max_int=_MAX_INT).decode(
                 doc["table"], len(shards), chunk_bytes, strict=self.strict_fields
             )
-            tensors = dict(zip(self.columns[0], entries_from_columns(self.columns), strict=True))
+            kept = self.columns if part is None else select_rows(self.columns, part)
+            tensors = dict(zip(kept[0], entries_from_columns(kept), strict=True))
             runs = TreeRuns(tree, self.columns[0], self.fail, dict_runs=self.dict_runs)
-            self.check_tree(runs.standins(), set(tensors), runs.referenced())
+            referenced = runs.referenced()
+            if part is not None:  # the view's replicated tensors count as referenced: another rank may hold them
+                check_runs_inside(referenced, tensors.keys(), part, self.fail)
+                referenced += shared_names(kept[0], part)
+            self.check_tree(runs.standins(), set(tensors), referenced)
             tree = runs.expand()
         else:
             tensors = self.tensors(doc["tensors"], len(shards), chunk_bytes)
+            if part is not None:  # every entry was checked; the tree is the view's
+                tensors = {name: t for name, t in tensors.items() if part.keeps(name)}
+                self.check_tree(tree, set(tensors), shared_names(list(tensors), part))
 
         metrics = doc["metrics"]
         if not isinstance(metrics, dict) or not all(is_finite_number(v) for v in metrics.values()):
@@ -454,6 +477,7 @@ class _Checker:
             format_version=version,
             library=library,
             content_hash=content_hash,
+            part=part.rank if part is not None else None,
         )
         self.check_manifest(manifest)
         return manifest
@@ -559,7 +583,8 @@ class _Checker:
                 list(map(operator.attrgetter(f), entries)) for f in ("shard", "offset", "nbytes")
             )
         if not ranges_ok([s.size for s in m.shards], shards, offsets, nbytes, ALIGN):
-            raise self.fail(first_range_fault(list(m.tensors.values()), [(s.file, s.size) for s in m.shards], ALIGN))
+            every = entries_from_columns(self.columns) if self.columns is not None else list(m.tensors.values())
+            raise self.fail(first_range_fault(every, [(s.file, s.size) for s in m.shards], ALIGN))
         if not self.tree_checked:
             self.check_tree(m.tree, set(m.tensors))
 
