@@ -535,11 +535,12 @@ def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest
             f"step {manifest.step}: the manifest has no state for rank {rank}", step=manifest.step
         )
     tensors = {name: t for name, t in manifest.tensors.items() if name.startswith(prefix)}
-    # The replicated tensors in rotated rank order (rank r starts with what rank r wrote, then r+1's...): the
-    # ranks of one node then read different files from the device at first and the rest from the page cache.
+    # The replicated tensors in the same order on every rank (by writer): the ranks of one node read the same
+    # file regions at about the same time, from the device once, through their page cache. Starting each rank
+    # on another file (tried until 2026-11-24) read slower on a disk: more streams at once (docs/benchmarks.md).
     shared = [(t.name, t) for t in manifest.tensors.values() if t.name.startswith(REPLICATED_PREFIX)]
     shards = manifest.shards
-    shared.sort(key=lambda item: (shards[item[1].shard].rank - rank) % saved)
+    shared.sort(key=lambda item: shards[item[1].shard].rank)
     tensors.update(shared)
     return replace(manifest, tree=tree, tensors=tensors)
 
