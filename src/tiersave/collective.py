@@ -492,8 +492,9 @@ def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest
         raise CorruptCheckpointError(
             f"step {manifest.step}: the manifest has no state for rank {rank}", step=manifest.step
         )
-    # The replicated tensors in rotated rank order (rank r starts with what rank r wrote, then r+1's...): the
-    # ranks of one node then read different files from the device at first and the rest from the page cache.
+    # The replicated tensors in the same order on every rank (by writer): the ranks of one node read the same
+    # file regions at about the same time, from the device once, through their page cache. Starting each rank
+    # on another file (tried until 2026-11-24) read slower on a disk: more streams at once (docs/benchmarks.md).
     items, names = manifest.tensors.items(), manifest.tensors.keys()
     shared = list(compress(items, map(str.startswith, names, repeat(REPLICATED_PREFIX))))  # in C: 10^5 names
     if manifest.part == rank:  # parsed as this rank's view (view_part): its own tensors come first already
@@ -503,7 +504,7 @@ def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest
     else:
         tensors = dict(compress(items, map(str.startswith, names, repeat(prefix))))
     shards = manifest.shards
-    shared.sort(key=lambda item: (shards[item[1].shard].rank - rank) % saved)
+    shared.sort(key=lambda item: shards[item[1].shard].rank)
     tensors.update(shared)
     return replace(manifest, tree=tree, tensors=tensors)
 

@@ -9,8 +9,9 @@ verification, then copies to the live tensors that could not be read in place an
 live state.
 Nothing in the live state changes through ``load_state_dict`` or dict updates unless every byte verified.
 In a collective restore the ranks of one machine split the checks of the replicated state (splitverify.py):
-such a rank loads the live state only after the restore's agreement, where every rank reports its share.
-(A failure of that load itself, after the agreement, is then this rank's alone.)
+such a rank loads the live state only after the restore's agreement, where every rank reports its share, and
+the ranks agree once more after that load, so that a load failing on one rank fails every rank
+(restore_agree.py).
 
 Anti-scope: the byte reads and checksums (engine/reader.py), matching a saved tree against a live state
 (state.py), which tiers exist and what they hold (tiers.py).
@@ -37,7 +38,6 @@ from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
-    DistributedCheckpointError,
     FormatError,
     StateMismatchError,
     StorageError,
@@ -47,6 +47,7 @@ from .errors import (
 from .format.jsonsafe import paused_gc
 from .format.layout import ALIGN
 from .partial import ALL, Loader, LoadReport, Selection, cast_hint, castable, referenced, select_into, select_keys
+from .restore_agree import agree_on_copy, finish_together
 from .state import (
     Target,
     apply_into,
@@ -143,6 +144,8 @@ def restore_from(
         for candidate, holders in _candidates(chain, step, tag, group, replicas):
             for tier in holders:
                 error: TiersaveError | None = None
+                failure: Exception | None = None  # a failure of another kind (a bug, a copy onto a device)
+                deferred = False  # some rank loads its live state only after the agreement
                 source = tier.storage.uri
                 job: Restore | None = None
                 chain.protection.hold(tier.index, candidate)  # our own retention must not delete what we read
@@ -167,10 +170,15 @@ def restore_from(
                     if group is None:
                         raise
                     error = exc
+                except Exception as exc:  # the other ranks must learn it now, not after their timeout
+                    if group is None:
+                        raise
+                    failure = exc
                 finally:
                     chain.protection.release(tier.index, candidate)
                 if group is not None:
-                    error = _agree_on_copy(group, candidate, error, job if error is None else None)
+                    ok = error is None and failure is None
+                    error, deferred = agree_on_copy(group, candidate, error or failure, job if ok else None)
                 elif error is not None and candidate not in tier.catalog.steps():
                     # Deleted since we listed it (another process's retention): not damage. Try the next
                     # copy; if none works, list again: the writer committed a newer one.
@@ -196,7 +204,12 @@ def restore_from(
                 assert job is not None
                 # Split checks: the live state changes only now that every rank of the machine reported its share
                 # of the replicated bytes verified (or checked the rest itself).
-                result, nbytes, in_place = job.finish() if job.done is None else job.done
+                # ... and in a collective restore every rank learns whether every rank's load succeeded.
+                if deferred:
+                    assert group is not None
+                    result, nbytes, in_place = finish_together(group, candidate, job)
+                else:
+                    result, nbytes, in_place = job.finish() if job.done is None else job.done
                 location = tier.catalog.location(candidate)
                 report = RestoreReport(
                     candidate, location, nbytes, time.perf_counter() - start, in_place, skipped, tier.name
@@ -281,54 +294,6 @@ def _candidates(
             raise CheckpointNotFoundError("; ".join(str(e) for e in missing))
         raise CheckpointNotFoundError(f"no committed checkpoint in {chain.where()}")
     return [(s, holders[s]) for s in sorted(holders, reverse=True)]
-
-
-def _agree_on_copy(
-    group: CoordinationGroup, step: int, error: TiersaveError | None, job: Restore | None = None
-) -> TiersaveError | None:
-    """Every rank learns whether every rank could use this copy. Returns this rank's error, or the error
-    naming the ranks that could not; raises on every rank when one rank's error is not about the copy.
-
-    ``job``: this rank's read of the copy, whose split checks (splitverify.py) the same exchange confirms;
-    where a split did not hold, every rank checks what it read unchecked and the ranks agree once more."""
-    mine: Json = None
-    if error is not None:
-        mine = {"type": type(error).__name__, "message": str(error), "copy": _copy_error(error)}
-    split = job.split if job is not None else None
-    if split is not None:
-        mine = {"split": split.document()}
-    reports = group.all_gather_json(mine, step=step)
-    splits = [splitverify.split_of(rep) for rep in reports]
-    failed = {r: rep for r, rep in enumerate(reports) if rep is not None and splits[r] is None}
-    if not failed:
-        if not splitverify.fallback_needed(splits):
-            return None
-        mine_error: TiersaveError | None = None
-        if job is not None and not splitverify.holds(splits, group.rank):
-            try:
-                job.verify_unchecked()
-            except CorruptCheckpointError as exc:
-                mine_error = exc
-        return _agree_on_copy(group, step, mine_error)
-    fatal = {r: rep for r, rep in failed.items() if isinstance(rep, dict) and not rep.get("copy")}
-    if fatal:
-        if error is not None and not _copy_error(error):
-            raise error
-        r, rep = next(iter(fatal.items()))
-        raise DistributedCheckpointError(
-            f"restore of step {step}: rank {r} failed: {rep.get('type')}: {rep.get('message')}",
-            {r: RuntimeError(str(rep.get("message")))},
-        )
-    if error is not None:
-        return error
-    ranks = ", ".join(str(r) for r in failed)
-    first = next(iter(failed.values()))
-    message = first.get("message") if isinstance(first, dict) else first
-    return CorruptCheckpointError(f"rank(s) {ranks} could not use this copy: {message}", step=step)
-
-
-def _copy_error(error: TiersaveError) -> bool:
-    return isinstance(error, (FormatError, CheckpointNotFoundError, StorageError))
 
 
 class Restore:

@@ -69,7 +69,7 @@ def restore(rank: int, world: int, rec: dict[str, Any]) -> None:
         def die(*args: Any, **kwargs: Any) -> Any:  # this rank dies where the others wait for its report
             os.kill(os.getpid(), signal.SIGKILL)
 
-        restore_module._agree_on_copy = die  # type: ignore[assignment]
+        restore_module.agree_on_copy = die  # type: ignore[assignment]
     with checkpointer(root) as ckpt:
         start = time.monotonic()
         try:
@@ -86,7 +86,39 @@ def restore(rank: int, world: int, rec: dict[str, Any]) -> None:
             rec["error"] = error_record(exc, start)
 
 
-SCENARIOS = {f.__name__: f for f in (save, restore)}
+class Model(torch.nn.Module):
+    """The replicated state as a module's buffers (``load_state_dict`` judges their shapes at load time)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+
+
+def restore_mismatch(rank: int, world: int, rec: dict[str, Any]) -> None:
+    """Restore step 1 into a live state whose ``model`` is a module; on ``$TIERSAVE_TEST_MISMATCH_RANK`` one of
+    its buffers has another shape, which the module's ``load_state_dict`` refuses when the state is loaded."""
+    live = zeros(rank)
+    if str(rank) == os.environ.get("TIERSAVE_TEST_MISMATCH_RANK"):
+        live["model"]["mid1"] = torch.zeros(3, 5)
+    live["model"] = Model(live["model"])
+    with checkpointer() as ckpt:
+        start = time.monotonic()
+        try:
+            ckpt.restore(1, into=live)
+            rec["restored"] = True
+            ckpt.save(2, ddp_state(rank, 2), replicated=["model"])  # the group is still usable afterwards
+            rec["saved_after"] = True
+        except tiersave.TiersaveError as exc:
+            rec["error"] = error_record(exc, start)
+            try:
+                ckpt.save(2, ddp_state(rank, 2), replicated=["model"])
+                rec["saved_after"] = True
+            except tiersave.TiersaveError as again:
+                rec["save_after_error"] = error_record(again, start)
+
+
+SCENARIOS = {f.__name__: f for f in (save, restore, restore_mismatch)}
 
 
 if __name__ == "__main__":

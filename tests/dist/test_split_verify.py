@@ -163,3 +163,28 @@ def test_ranks_of_one_machine_reading_different_files_check_their_own_bytes(laun
         assert "error" not in rec and "crash" not in rec, rec
         assert rec["exact"] and rec["exact_new"], rec
         assert rec["unchecked_bytes"] == 0 and rec["unchecked_bytes_new"] == 0, rec
+
+
+@pytest.mark.parametrize("split", ["1", "0"])
+def test_a_load_failing_on_one_rank_makes_every_rank_raise_naming_it(launch, tmp_path, split):
+    """Rank 1's live module has another shape for one buffer: its ``load_state_dict`` refuses the checkpoint
+    when the state is loaded, which a split rank does only after the restore's agreement (``split="1"``) and a
+    rank checking everything before it (``"0"``). Either way rank 1 raises its own ``StateMismatchError`` and
+    rank 0 a ``DistributedCheckpointError`` naming rank 1, the step and the error, at once; neither restores,
+    and the job can save afterwards."""
+    root = tmp_path / "ckpt"
+    saved(launch, root)
+    extra = {"TIERSAVE_TEST_MISMATCH_RANK": "1", "TIERSAVE_SPLIT_VERIFY": split}
+    job = launch("restore_mismatch", 2, env=env(root, **extra), script=SCRIPT, rank_env=on_nodes(1), deadline_s=90)
+    own, other = job.rank(1), job.rank(0)
+    assert "restored" not in own and "restored" not in other, (own, other)
+    assert own["error"]["type"] == "StateMismatchError", own
+    assert "mid1" in own["error"]["message"], own
+    error = other["error"]
+    assert error["type"] == "DistributedCheckpointError", error
+    assert "restore of step 1: rank 1 failed" in error["message"], error
+    assert "StateMismatchError" in error["message"] and "mid1" in error["message"], error
+    assert error["failures"] == {"1": "StateMismatchError"}, error
+    for rec in (own, other):
+        assert rec["error"]["elapsed"] < TIMEOUT, rec  # learnt through the exchange, not after a timeout
+        assert rec.get("saved_after"), rec

@@ -61,6 +61,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.commit",
             "tiersave.restore",
             "tiersave.splitverify",
+            "tiersave.restore_agree",
             "tiersave.replication",
             "tiersave.partdrain",
             "tiersave.replica_read",

@@ -120,13 +120,14 @@ def test_rank_zero_merges_replicated_tensors_once_and_each_rank_sees_them():
     }
 
 
-def test_each_rank_reads_the_replicated_shards_starting_with_its_own_and_shares_them():
-    """Rank r's view lists its own tensors, then the replicated ones in rotated rank order (r's, r+1's...), so
-    the ranks of a node start on different files; the shards holding replicated tensors are the shared ones."""
+def test_every_rank_reads_the_replicated_shards_in_the_same_order_and_shares_them():
+    """Rank r's view lists its own tensors, then the replicated ones in the same order on every rank (by the
+    rank that wrote them), so the ranks of a node read the same file regions together; the shards holding
+    replicated tensors are the shared ones."""
     manifest = merge([part(0, "d", {"model.x": 8}), part(1, "d", {"model.y": 4})])
-    for rank, expect in ((0, ["model.x", "model.y"]), (1, ["model.y", "model.x"])):
+    for rank in (0, 1):
         view = rank_view(manifest, rank, 2)
-        assert list(view.tensors) == [f"rank-{rank:05d}/w"] + [f"replicated/{n}" for n in expect]
+        assert list(view.tensors) == [f"rank-{rank:05d}/w", "replicated/model.x", "replicated/model.y"]
         assert shared_shards(view) == {0, 1}
     w = {"w": TensorEntry("w", "float32", (1,), 0, 0, 4, ("0" * 8,))}
     parts = [rank_part(r, [ShardInfo(f"shard-{r:05d}-000.bin", r, 4096)], w, {"$tensor": "w"}) for r in (0, 1)]
