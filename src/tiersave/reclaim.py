@@ -21,7 +21,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from .engine.pool import DaemonThreadPool
-from .errors import TiersaveError
+from .errors import ClosedError
 from .events import background_warning
 
 if TYPE_CHECKING:
@@ -44,12 +44,15 @@ class Reclaimer:
             if key in self._pending:
                 return
             self._pending.add(key)
-        self._pool.submit(self._remove, storage, name, key)
+        try:
+            self._pool.submit(self._remove, storage, name, key)
+        except ClosedError:  # closed with a save still in flight (close's timeout): remove it now
+            self._remove(storage, name, key)
 
     def _remove(self, storage: Storage, name: str, key: tuple[str, str]) -> None:
         try:
             storage.delete_prefix(name)
-        except TiersaveError as exc:  # the checkpoint is deleted already; only its space is not yet free
+        except Exception as exc:  # the checkpoint is deleted already; only its space is not yet free
             background_warning(f"removing {name} in {storage.uri} failed: {exc}; the next retention removes it")
         finally:
             with self._lock:

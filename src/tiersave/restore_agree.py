@@ -83,11 +83,11 @@ def agree_on_copy(
     if not failed:
         if not splitverify.fallback_needed(splits):
             return None, deferred
-        mine_error: TiersaveError | None = None
+        mine_error: Exception | None = None
         if job is not None and not splitverify.holds(splits, group.rank):
             try:
                 job.verify_unchecked()
-            except CorruptCheckpointError as exc:
+            except Exception as exc:  # any kind: the other ranks learn it in the exchange, not by their timeout
                 mine_error = exc
         return agree_on_copy(group, step, mine_error)[0], deferred
     fatal = {r: rep for r, rep in failed.items() if isinstance(rep, dict) and not rep.get("copy")}

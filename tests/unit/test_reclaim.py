@@ -82,3 +82,16 @@ def test_an_explicit_prune_removes_the_files_before_it_returns(tmp_path: Path) -
         assert ckpt.prune(keep_last=1) == [1, 2]
         assert _trash(tmp_path) == []  # prune() promises the space back, not later
         assert all(not name.startswith("tiersave-reclaim") for name in storage.removers)
+
+
+def test_a_removal_handed_over_after_close_happens_at_once(tmp_path: Path) -> None:
+    # close() with a timeout may return while a save is still in flight; its retention then runs after
+    from tiersave.reclaim import Reclaimer
+
+    storage = LocalStorage(tmp_path)
+    (tmp_path / "step-0000000001.trash-abc").mkdir()
+    (tmp_path / "step-0000000001.trash-abc" / "shard.bin").write_bytes(b"x" * 4096)
+    reclaimer = Reclaimer()
+    reclaimer.close()
+    reclaimer.later(storage, "step-0000000001.trash-abc")
+    assert _trash(tmp_path) == []
