@@ -84,6 +84,7 @@ class Channel:
         self.poison: DistributedCheckpointError | None = None
         self._poison_report: dict[str, Json] | None = None
         self._notified = False
+        self._informed: set[int] = set()  # the ranks that received a poisoning outcome from rank 0 (_lead)
         # Where the last exchange spent its time on this rank (rank 0: gather / decide / reply; the others:
         # send / wait), for the save's statistics: what a many-rank commit costs and who waits for whom.
         self.last_timing: dict[str, float] = {}
@@ -157,7 +158,7 @@ class Channel:
         )
         if self._rank == 0 and not self._notified:
             self._notified = True
-            self._notify(op, step, report, failed=set(failures))
+            self._notify(op, step, report, failed=set(failures) | self._informed)
         return failure_error(report)
 
     def _notify(self, op: str, step: int | None, report: dict[str, Json], *, failed: set[int]) -> None:
@@ -167,7 +168,8 @@ class Channel:
         The wait is what makes the others name the failing rank: the ranks that did not see the failure are
         waiting in this call for rank 0's reply, and a rank 0 that returned at once and went on (raised to a
         caller that tears the job down, exits) closed its connections under the notice, so they named rank 0.
-        The failed ranks are sent to but never waited on: they are gone or stopped calling."""
+        The failed ranks, and those that already received a failed outcome, are sent to but never waited on:
+        they are gone, or refuse their next call without receiving."""
         payload = encode_json({"ok": False, "failure": report})
         header = Header.for_payload(seq=self._seq, op=OPS[op], step=step, payload=payload)
         out = [torch.tensor(header.words()), _byte_tensor(payload)]
@@ -332,6 +334,9 @@ class Channel:
         failure = report[0]
         if failure is not None and failure.get("poison"):
             self._poison_by(failure, held)
+            # these ranks have the failure as this call's outcome: they refuse their next call without posting
+            # a receive, so rank 0's notice (_refuse) must not wait for them (it would wait its whole timeout)
+            self._informed = {r for r in sends if r not in undelivered and r not in lost}
         elif undelivered:
             # The decision stands on rank 0 (a commit callback may already have made a checkpoint visible),
             # but the group cannot go on with ranks that missed the outcome.
