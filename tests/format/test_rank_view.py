@@ -163,3 +163,37 @@ def test_its_own_subtree_is_depth_checked(data):
 
     with pytest.raises(FormatError, match="nested deeper than 512"):
         Manifest.parse(edited(data, deep), path="m", part=view_part(1, 3))
+
+
+def test_a_view_of_a_per_entry_table_of_a_newer_minor_checks_every_rows_range():
+    # an unknown field in every entry sends the parse down the per-entry path; another rank's row is forged
+    def forge(doc: dict[str, Any]) -> None:
+        doc["format_version"] = "1.9"
+        for entry in doc["tensors"].values() if isinstance(doc["tensors"], dict) else doc["tensors"]:
+            entry["future_field"] = 1
+        entries = doc["tensors"]
+        bad = (
+            entries["rank-00002/model.w0"]
+            if isinstance(entries, dict)
+            else next(e for e in entries if e["name"] == "rank-00002/model.w0")
+        )
+        bad["offset"] = 4096 * 10**6
+
+    data = edited(global_manifest(per_rank=20).to_json(), forge)
+    with pytest.raises(FormatError, match=r"rank-00002/model\.w0"):
+        Manifest.parse(data, path="m", part=view_part(0, 3))
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["compact", "per-entry"])
+def test_a_view_counts_its_subtrees_depth_from_the_whole_trees_root(small):
+    def deepen(doc: dict[str, Any]) -> None:
+        node = doc["tree"]["rank-00000"]["data"]
+        for _ in range(127):
+            node["d"] = {}
+            node = node["d"]
+
+    data = edited(global_manifest(per_rank=20 if small else 3400).to_json(), deepen)
+    with pytest.raises(FormatError, match="nested deeper"):
+        Manifest.parse(data, path="m")
+    with pytest.raises(FormatError, match="nested deeper"):
+        Manifest.parse(data, path="m", part=view_part(0, 3))

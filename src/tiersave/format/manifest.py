@@ -337,6 +337,8 @@ class _Checker:
     def __init__(self, path: str, part: RankPart | None = None) -> None:
         self.path = path
         self.part = part
+        self.entries: list[TensorEntry] | None = None  # the per-entry table's entries, before a view filters them
+        self.tree_depth = 0
         self.strict_fields = True
         self.shard_fields = _SHARD_FIELDS
         self.checksum_fields = _CHECKSUM_FIELDS
@@ -427,6 +429,7 @@ class _Checker:
         shards = [self.shard(i, raw, world_size, step, chunk_bytes) for i, raw in enumerate(doc["shards"])]
 
         part = self.part if self.part is not None and self.part.applies(world_size) else None
+        self.tree_depth = 0 if part is None else 1  # a rank's subtree lies one level down in the whole tree
         tree = doc["tree"] if part is None else subtree(doc["tree"], part, self.fail)
         if self.part is not None:  # loads_strict left the tree's depth to here (a subtree is at level 3)
             check_depth(tree, what=self.path, start=2 if part is None else 3)
@@ -445,6 +448,7 @@ class _Checker:
             tree = runs.expand()
         else:
             tensors = self.tensors(doc["tensors"], len(shards), chunk_bytes)
+            self.entries = list(tensors.values())  # every entry's byte range is checked (check_manifest)
             if part is not None:  # every entry was checked; the tree is the view's
                 tensors = {name: t for name, t in tensors.items() if part.keeps(name)}
                 self.check_tree(tree, set(tensors), shared_names(list(tensors), part))
@@ -578,19 +582,19 @@ class _Checker:
         if self.columns is not None:  # the table this checker just built (build), in the same order
             shards, offsets, nbytes = self.columns[3:6]
         else:
-            entries = list(m.tensors.values())
+            entries = self.entries if self.entries is not None else list(m.tensors.values())
             shards, offsets, nbytes = (
                 list(map(operator.attrgetter(f), entries)) for f in ("shard", "offset", "nbytes")
             )
         if not ranges_ok([s.size for s in m.shards], shards, offsets, nbytes, ALIGN):
-            every = entries_from_columns(self.columns) if self.columns is not None else list(m.tensors.values())
+            every = entries_from_columns(self.columns) if self.columns is not None else entries
             raise self.fail(first_range_fault(every, [(s.file, s.size) for s in m.shards], ALIGN))
         if not self.tree_checked:
             self.check_tree(m.tree, set(m.tensors))
 
     def check_tree(self, tree: Any, names: set[str], referenced: list[str] | None = None) -> None:
         try:
-            validate_tree(tree, names, referenced or ())
+            validate_tree(tree, names, referenced or (), self.tree_depth)
         except FormatError as exc:
             raise self.fail(str(exc)) from None
         self.tree_checked = True

@@ -235,12 +235,13 @@ class _ValidatingHooks:
         return None
 
 
-def validate_tree(tree: Any, tensor_names: set[str], referenced: Iterable[str] = ()) -> None:
+def validate_tree(tree: Any, tensor_names: set[str], referenced: Iterable[str] = (), depth: int = 0) -> None:
     """Check the tree's grammar, that it references only known tensors, and that it references all of them.
-    ``referenced``: known tensors referenced by parts of the tree the caller checked (the runs of format 4.x)."""
+    ``referenced``: known tensors referenced by parts of the tree the caller checked (the runs of format 4.x);
+    ``depth``: the level ``tree`` lies at in its whole tree (1 for a rank's subtree)."""
     hooks = _ValidatingHooks(tensor_names)
     hooks.referenced.update(referenced)
-    TreeDecoder(hooks).decode(tree)
+    TreeDecoder(hooks).decode(tree, depth=depth)
     orphans = tensor_names - hooks.referenced
     if orphans:
         sample = ", ".join(sorted(orphans)[:3])
