@@ -137,3 +137,38 @@ def manifest_error(doc: dict[str, Any], exc_type: type[Exception] | None = None)
     with pytest.raises(exc_type or FormatError) as info:
         Manifest.parse(seal(doc), path="m.json")
     return str(info.value)
+
+
+def worker_env(root: Path, timeout_s: float, **extra: str) -> dict[str, str]:
+    """The environment of a tests/dist worker: its checkpoint root and coordination timeout, and ``extra``."""
+    return {"TIERSAVE_TEST_ROOT": str(root), "TIERSAVE_DIST_TIMEOUT": str(timeout_s), **extra}
+
+
+def manifest_doc(
+    tensors: dict[str, Any],
+    tree: Any,
+    shards: list[dict[str, Any]],
+    *,
+    world_size: int = 1,
+    version: str = "1.1",
+    step: int = 3,
+    chunk_bytes: int = 4096,
+    metrics: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """An unsealed per-entry manifest document built by hand (the parser's input, docs/format.md section 4)."""
+    return {
+        "format": "tiersave",
+        "format_version": version,
+        "step": step,
+        "created_at": "2026-11-23T00:00:00.000000Z",
+        "world_size": world_size,
+        "library": {"name": "tiersave", "version": "0"},
+        "checksum": {"algorithm": "crc32c", "chunk_bytes": chunk_bytes},
+        "shards": shards,
+        "tensors": tensors,
+        "tree": tree,
+        "metrics": metrics or {},
+        "tags": [],
+        "metadata": {},
+        "stats": {},
+    }

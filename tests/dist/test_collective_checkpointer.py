@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import worker_env
 import torch
 
 import tiersave
@@ -27,8 +28,8 @@ SCRIPT = HERE / "ckpt_workers.py"
 TIMEOUT = 8.0
 
 
-def env(root: Path) -> dict[str, str]:
-    return {"TIERSAVE_TEST_ROOT": str(root), "TIERSAVE_DIST_TIMEOUT": str(TIMEOUT)}
+def env(root: Path, **extra: str) -> dict[str, str]:
+    return worker_env(root, TIMEOUT, **extra)
 
 
 def manifest(root: Path, step: int) -> dict:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import worker_env
 import torch
 
 import tiersave
@@ -32,7 +33,7 @@ def test_readers_during_multi_rank_saves_and_retention_never_see_a_torn_or_corru
     job = launch(
         "save_loop_keep1",
         3,
-        env={"TIERSAVE_TEST_ROOT": str(root), "TIERSAVE_DIST_TIMEOUT": str(TIMEOUT)},
+        env=worker_env(root, TIMEOUT),
         script=SCRIPT,
         background=True,
     )

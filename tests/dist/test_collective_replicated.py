@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import worker_env
 import torch
 from safetensors.torch import load_file
 
@@ -26,7 +27,7 @@ TIMEOUT = 8.0
 
 
 def env(root: Path, **extra: str) -> dict[str, str]:
-    return {"TIERSAVE_TEST_ROOT": str(root), "TIERSAVE_DIST_TIMEOUT": str(TIMEOUT), **extra}
+    return worker_env(root, TIMEOUT, **extra)
 
 
 def manifest(root: Path, step: int) -> dict:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import worker_env
 import torch
 
 import tiersave
@@ -25,13 +26,7 @@ MiB = 1 << 20
 
 
 def run_chain(launch, root: Path, world: int, steps: str, restore: str, keep: int = 0):
-    env = {
-        "TIERSAVE_TEST_ROOT": str(root),
-        "TIERSAVE_DIST_TIMEOUT": str(TIMEOUT),
-        "STEPS": steps,
-        "RESTORE": restore,
-        "KEEP": str(keep),
-    }
+    env = worker_env(root, TIMEOUT, STEPS=steps, RESTORE=restore, KEEP=str(keep))
     job = launch("chain", world, env=env, script=SCRIPT, deadline_s=120)
     for r in range(world):
         assert "crash" not in job.rank(r), job.rank(r)

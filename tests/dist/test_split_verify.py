@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import worker_env
 
 from tiersave.catalog import Catalog
 from tiersave.format.layout import step_dirname
@@ -24,7 +25,7 @@ TIMEOUT = 8.0
 
 
 def env(root: Path, **extra: str) -> dict[str, str]:
-    return {"TIERSAVE_TEST_ROOT": str(root), "TIERSAVE_DIST_TIMEOUT": str(TIMEOUT), **extra}
+    return worker_env(root, TIMEOUT, **extra)
 
 
 def on_nodes(nodes: int, world: int = 2) -> dict[int, dict[str, str]]:

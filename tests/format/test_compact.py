@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tiersave
-from helpers import accepted_bit_flips, compact_written
+from helpers import accepted_bit_flips, compact_written, manifest_doc
 from helpers import manifest_error as parse_error
 from tiersave.errors import FormatError, UnsupportedFormatVersionError
 from tiersave.format import compact
@@ -81,25 +81,13 @@ def entry_document() -> dict[str, Any]:
         "arr": {"$ndarray": "arr"},
         "listed": [{"$tensor": "listed"}, 3],
     }
-    return {
-        "format": "tiersave",
-        "format_version": "1.2",
-        "step": 5,
-        "created_at": "2026-11-23T00:00:00.000000Z",
-        "world_size": 2,
-        "library": {"name": "tiersave", "version": "0"},
-        "checksum": {"algorithm": "crc32c", "chunk_bytes": CHUNK},
-        "shards": [
-            {"file": "shard-00000-000.bin", "rank": 0, "size": offsets[0], "content": [[offsets[0], "a" * 64]]},
-            {"file": "shard-00001-000.bin", "rank": 1, "size": offsets[1]},
-        ],
-        "tensors": tensors,
-        "tree": tree,
-        "metrics": {"loss": 0.5},
-        "tags": [],
-        "metadata": {},
-        "stats": {},
-    }
+    shards = [
+        {"file": "shard-00000-000.bin", "rank": 0, "size": offsets[0], "content": [[offsets[0], "a" * 64]]},
+        {"file": "shard-00001-000.bin", "rank": 1, "size": offsets[1]},
+    ]
+    return manifest_doc(
+        tensors, tree, shards, world_size=2, version="1.2", step=5, chunk_bytes=CHUNK, metrics={"loss": 0.5}
+    )
 
 
 def compact_doc() -> dict[str, Any]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tiersave
-from helpers import compact_written
+from helpers import compact_written, manifest_doc
 from helpers import manifest_error as parse_error
 from tiersave.errors import FormatError, UnsupportedFormatVersionError
 from tiersave.format import compact
@@ -48,22 +48,7 @@ def entry_document(keys: tuple[int, ...] = KEYS) -> dict[str, Any]:
         "model": {f"p{i}": {"$tensor": f"model.p{i}"} for i in range(len(keys) + 3)},
         "optim": {"state": {"$dict": pairs}, "param_groups": [{"lr": 0.1, "params": list(range(10))}]},
     }
-    return {
-        "format": "tiersave",
-        "format_version": "1.1",
-        "step": 3,
-        "created_at": "2026-11-23T00:00:00.000000Z",
-        "world_size": 1,
-        "library": {"name": "tiersave", "version": "0"},
-        "checksum": {"algorithm": "crc32c", "chunk_bytes": 4096},
-        "shards": [{"file": "shard-00000-000.bin", "rank": 0, "size": 4096 * len(names)}],
-        "tensors": tensors,
-        "tree": tree,
-        "metrics": {},
-        "tags": [],
-        "metadata": {},
-        "stats": {},
-    }
+    return manifest_doc(tensors, tree, [{"file": "shard-00000-000.bin", "rank": 0, "size": 4096 * len(names)}])
 
 
 def test_an_optimizer_state_is_one_node_and_reads_back_as_the_entries_do():

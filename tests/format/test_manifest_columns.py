@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from helpers import manifest_doc
 from tiersave.errors import CorruptCheckpointError, FormatError
 from tiersave.format import columns, sealing
 from tiersave.format.manifest import MANIFEST_HASH_FIELD, Manifest, _Checker, seal
@@ -32,22 +33,8 @@ def document(n: int = N) -> dict[str, Any]:
     }
     tensors["empty"] = {"dtype": "float32", "shape": [0], "shard": 0, "offset": 0, "nbytes": 0, "crc32c": []}
     size = (n // 2 + 1) * 4096
-    return {
-        "format": "tiersave",
-        "format_version": "1.1",
-        "step": 3,
-        "created_at": "2026-11-23T00:00:00.000000Z",
-        "world_size": 2,
-        "library": {"name": "tiersave", "version": "0"},
-        "checksum": {"algorithm": "crc32c", "chunk_bytes": 4096},
-        "shards": [{"file": f"shard-{r}.bin", "rank": r, "size": size} for r in range(2)],
-        "tensors": tensors,
-        "tree": {name: {"$tensor": name} for name in tensors},
-        "metrics": {},
-        "tags": [],
-        "metadata": {},
-        "stats": {},
-    }
+    shards = [{"file": f"shard-{r}.bin", "rank": r, "size": size} for r in range(2)]
+    return manifest_doc(tensors, {name: {"$tensor": name} for name in tensors}, shards, world_size=2)
 
 
 def entry_by_entry(doc: dict[str, Any]) -> dict[str, Any]:
