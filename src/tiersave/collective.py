@@ -497,12 +497,7 @@ def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest
     # on another file (tried until 2026-11-24) read slower on a disk: more streams at once (docs/benchmarks.md).
     items, names = manifest.tensors.items(), manifest.tensors.keys()
     shared = list(compress(items, map(str.startswith, names, repeat(REPLICATED_PREFIX))))  # in C: 10^5 names
-    if manifest.part == rank:  # parsed as this rank's view (view_part): its own tensors come first already
-        tensors = dict(manifest.tensors)
-        for name, _ in shared:
-            del tensors[name]
-    else:
-        tensors = dict(compress(items, map(str.startswith, names, repeat(prefix))))
+    tensors = dict(compress(items, map(str.startswith, names, repeat(prefix))))  # a view's too (view_part)
     shards = manifest.shards
     shared.sort(key=lambda item: shards[item[1].shard].rank)
     tensors.update(shared)

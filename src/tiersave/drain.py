@@ -42,6 +42,7 @@ from .catalog import Catalog, OpenCheckpoint
 from .commit import commit_for
 from .engine.codec import DecodingReader, encode_frame, plan_frames, require_codec
 from .errors import AlreadyExistsError, ConfigError, CorruptCheckpointError
+from .events import drained_event
 from .format.checksum import chunk_ranges, crc32c_hex
 from .format.encoding import Encoding, Frame
 from .format.layout import MANIFEST_NAME, shard_filename, step_dirname
@@ -92,15 +93,7 @@ class CopyResult:
 
     def drained_event(self, seconds: float) -> dict[str, Any]:
         """The sizes and speed a tier's ``drained`` event records (what ``tiersave stats`` sums per tier)."""
-        event: dict[str, Any] = {
-            "total_s": round(seconds, 6),
-            "stored_bytes": self.stored_bytes,
-            "file_bytes": self.file_bytes,  # fewer when compressed
-            "write_gbps": round(self.stored_bytes / seconds / 1e9, 4) if seconds > 0 else 0.0,
-        }
-        if self.referenced_bytes is not None:
-            event["referenced_bytes"] = self.referenced_bytes  # not copied again
-        return event
+        return drained_event(seconds, self.stored_bytes, self.file_bytes, referenced_bytes=self.referenced_bytes)
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "seconds": round(self.seconds, 6)}

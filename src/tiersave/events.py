@@ -76,3 +76,25 @@ def background_warning(message: str) -> None:
         warnings.warn(message, TiersaveWarning, stacklevel=2)
     except Warning:
         pass
+
+
+def drained_event(
+    seconds: float,
+    stored_bytes: int,
+    file_bytes: int,
+    *,
+    written_bytes: int | None = None,
+    referenced_bytes: int | None = None,
+) -> dict[str, Any]:
+    """The sizes and speed of a ``drained`` event (``written_bytes``: what this process wrote, for the speed;
+    the stored bytes by default), one form for the chain's drains and the part drains (``tiersave stats``)."""
+    written = stored_bytes if written_bytes is None else written_bytes
+    event: dict[str, Any] = {
+        "total_s": round(seconds, 6),
+        "stored_bytes": stored_bytes,
+        "file_bytes": file_bytes,  # fewer when compressed
+        "write_gbps": round(written / seconds / 1e9, 4) if seconds > 0 else 0.0,
+    }
+    if referenced_bytes is not None:
+        event["referenced_bytes"] = referenced_bytes  # not copied again
+    return event

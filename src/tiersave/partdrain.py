@@ -58,7 +58,7 @@ from .errors import (
     SaveTimeoutError,
     TiersaveError,
 )
-from .events import background_warning
+from .events import background_warning, drained_event
 from .format.layout import MANIFEST_NAME, step_dirname
 from .format.manifest import Manifest
 
@@ -256,6 +256,7 @@ class PartDrains:
         seconds = time.perf_counter() - started
         tier.last_drain_s = seconds
         nbytes = sum(written.values())
+        stored = info.stored_bytes if info is not None else nbytes
         self.chain.log(
             {
                 "step": step,
@@ -263,10 +264,7 @@ class PartDrains:
                 "outcome": "drained",
                 "time": started_wall,
                 "node": self.node,
-                "total_s": round(seconds, 6),
-                "stored_bytes": info.stored_bytes if info is not None else nbytes,
-                "file_bytes": info.stored_bytes if info is not None else nbytes,
-                "write_gbps": round(nbytes / seconds / 1e9, 4) if seconds > 0 else 0.0,
+                **drained_event(seconds, stored, stored, written_bytes=nbytes),
             }
         )
         future.set_result(info)

@@ -114,7 +114,7 @@ class LocalBlobWriter:
                 # (docs/benchmarks.md): allocate them all now, in one piece where the file system can.
                 with os_errors(storage.uri, "creating", key):
                     preallocate(fd, 0, self._prealloc_limit)
-        except BaseException:  # a bad TIERSAVE_WRITEBACK_BYTES: the file just created goes again
+        except BaseException:  # a bad TIERSAVE_WRITEBACK_BYTES, a failed preallocation: the new file goes again
             self.abort()
             raise
 

@@ -154,6 +154,11 @@ class PathStats:
         """Bytes per thread-second, in GB/s (a per-thread rate: concurrent calls overlap)."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    def add(self, nbytes: int, seconds: float, calls: int = 1) -> None:
+        self.bytes += nbytes
+        self.seconds += seconds
+        self.calls += calls
+
 
 class IOStats:
     """What one writer, reader or storage moved on each path, and why each request took its path.
@@ -177,16 +182,11 @@ class IOStats:
 
     def record(self, path: str, nbytes: int, seconds: float) -> None:
         with self._lock:
-            stats = self.paths.setdefault(path, PathStats())
-            stats.bytes += nbytes
-            stats.seconds += seconds
-            stats.calls += 1
+            self.paths.setdefault(path, PathStats()).add(nbytes, seconds)
 
     def record_writeback(self, nbytes: int, seconds: float) -> None:
         with self._lock:
-            self.writeback.bytes += nbytes
-            self.writeback.seconds += seconds
-            self.writeback.calls += 1
+            self.writeback.add(nbytes, seconds)
 
     def note(self, reason: str) -> None:
         with self._lock:
@@ -199,14 +199,9 @@ class IOStats:
             reasons = Counter(other.reasons)
             wb = PathStats(other.writeback.bytes, other.writeback.seconds, other.writeback.calls)
         with self._lock:
-            self.writeback.bytes += wb.bytes
-            self.writeback.seconds += wb.seconds
-            self.writeback.calls += wb.calls
+            self.writeback.add(wb.bytes, wb.seconds, wb.calls)
             for name, s in paths.items():
-                mine = self.paths.setdefault(name, PathStats())
-                mine.bytes += s.bytes
-                mine.seconds += s.seconds
-                mine.calls += s.calls
+                self.paths.setdefault(name, PathStats()).add(s.bytes, s.seconds, s.calls)
             self.reasons.update(reasons)
 
     def copy(self) -> IOStats:

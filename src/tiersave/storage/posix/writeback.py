@@ -121,9 +121,7 @@ class Writeback:
 
     def _start(self, offset: int, nbytes: int) -> None:
         call = sync_range
-        if call is None:
-            self.enabled = False
-            return
+        assert call is not None  # enabled only where the call exists (__init__)
         t0 = time.perf_counter()
         err = call(self._fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
         if err in _UNSUPPORTED:
