@@ -5,6 +5,7 @@ and start-up without torch. Timing targets are not asserted here: they live in t
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -189,8 +190,17 @@ def test_several_ranks_save_one_checkpoint_next_to_dcp(
     # DCP writes replicated tensors once too (its files add a header per tensor: 40% of this tiny state)
     assert state <= methods["dcp-save"]["bytes"] < state * 1.9
     assert methods["tiersave-load"]["bytes"] == state * (2 if replicated else 1)  # every rank reads all of it
+    # the blocked phase and the memcpy also carry the process's CPU seconds; the other methods do not
+    for name in ("tiersave-async", "memcpy"):
+        assert all(r["cpu_s"] >= 0 for r in methods[name]["per_rank"]), name
+    assert "cpu_s" not in methods["tiersave-save"]["per_rank"][0]
     summary = ranks["summary"]
     assert summary["save_vs_dcp"] > 0 and summary["load_vs_dcp"] > 0 and summary["async_blocked_vs_memcpy"] > 0
+    job = statistics.median(
+        r["methods"]["tiersave-async"]["slowest_s"] / r["methods"]["memcpy"]["slowest_s"] for r in ranks["rounds"]
+    )
+    assert summary["async_job_blocked_vs_memcpy"] == pytest.approx(job)
+    assert summary["async_cpu_vs_memcpy"] > 0
 
 
 @pytest.mark.parametrize(

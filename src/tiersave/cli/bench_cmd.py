@@ -265,6 +265,12 @@ def _render_ranks(ranks: dict[str, Any]) -> list[str]:
         )
     lines.append(table(["method", "slowest rank s", "GB (all ranks)", "job GB/s", "lowest rank GB/s"], rows))
     s = ranks["summary"]
-    keys = ("save_vs_dcp", "load_vs_dcp", "async_blocked_vs_memcpy")
+    keys = (
+        "save_vs_dcp",
+        "load_vs_dcp",
+        "async_blocked_vs_memcpy",
+        "async_job_blocked_vs_memcpy",
+        "async_cpu_vs_memcpy",
+    )
     lines += [f"  {key:28s} {s[key]:.2f}x" for key in keys if s.get(key) is not None]
     return lines
