@@ -95,13 +95,23 @@ def test_tiny_run_with_every_peer_json_and_plot(tmp_path: Path, capsys: pytest.C
         "tiersave-auto",
         "tiersave-direct",
         "tiersave-buffered",
+        "tiersave-async",
         "torch",
         "safetensors",
         "dcp",
         "dcp-async",
+        "memcpy",
+        "dlrover-shm",
+        "plain-write",
     }
     for name, m in data["methods"].items():
         assert len(m["save_s"]) == 1 and m["save_s"][0] > 0, name
+    # the async save and the yardsticks load nothing; the async save's stall is part of its time to durable
+    for name in ("tiersave-async", "memcpy", "dlrover-shm", "plain-write"):
+        assert data["methods"][name]["load_s"] == {}, name
+    assert data["methods"]["tiersave-async"]["blocked_s"][0] <= data["methods"]["tiersave-async"]["save_s"][0]
+    assert data["methods"]["tiersave-async"]["save_stats"][0]["num_tensors"] > 0
+    assert not list(Path("/dev/shm").glob("tiersave-bench-shm-*"))  # the copies' buffer is gone
     assert set(data["methods"]["tiersave-auto"]["load_s"]) == {"new", "into"}
     assert set(data["methods"]["dcp"]["load_s"]) == {"into"}
     assert data["methods"]["dcp-async"]["blocked_s"][0] <= data["methods"]["dcp-async"]["save_s"][0]
@@ -317,6 +327,32 @@ def document() -> dict[str, Any]:
         "ranks": None,
         "notes": [],
     }
+
+
+def test_summary_takes_medians_with_the_range_and_holds_stalls_against_the_copies() -> None:
+    data = document()
+    data["methods"]["tiersave-auto"]["save_s"] = [0.5, 4.0, 0.25]  # median 0.5 s: 2 GB/s, not the mean's
+    data["methods"]["tiersave-async"] = {
+        "family": "tiersave-async", "save_s": [0.6, 0.6], "blocked_s": [0.1, 0.3], "load_s": {}, "save_stats": [],
+    }  # fmt: skip
+    for name, seconds in (("memcpy", 0.1), ("dlrover-shm", 0.4), ("plain-write", 1.0)):
+        data["methods"][name] = {
+            "family": "reference", "save_s": [seconds] * 2, "blocked_s": [seconds] * 2, "load_s": {}, "save_stats": [],
+        }  # fmt: skip
+    s = summarize(data)
+    auto = s["methods"]["tiersave-auto"]
+    assert auto["save_gbps"] == pytest.approx(2.0)
+    assert auto["save_range_gbps"] == pytest.approx([0.25, 4.0])
+    assert auto["load_range_gbps"]["new"] == pytest.approx([1.0, 1.0])
+    assert s["methods"]["tiersave-async"]["blocked_s"] == pytest.approx(0.2)
+    assert s["methods"]["tiersave-async"]["blocked_range_s"] == pytest.approx([0.1, 0.3])
+    assert s["main"] == "tiersave-auto"  # the async save is not the main method
+    r = s["ratios"]
+    assert r["async_stall_vs_dlrover"] == pytest.approx(2.0)  # 0.4 s against 0.2 s
+    assert r["async_stall_vs_memcpy"] == pytest.approx(0.5)
+    assert r["buffered_save_vs_plain_write"] == pytest.approx(0.5)  # 2.0 s against 1.0 s
+    met = {t["key"]: t["met"] for t in s["targets"]}
+    assert met["async_stall_vs_dlrover"] and not met["buffered_save_vs_plain_write"]
 
 
 def test_summary_ratios_and_targets() -> None:

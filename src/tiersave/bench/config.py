@@ -14,7 +14,9 @@ from ..errors import ConfigError
 
 __all__ = ["IO_MODES", "BenchConfig"]
 
-IO_MODES = ("auto", "direct", "buffered")
+IO_MODES = ("auto", "direct", "buffered", "async")
+"""Ways tiersave saves in the run: blocking saves with each I/O policy, and ``async`` (``save_async`` with the
+auto policy: the caller's blocked time and the time until durable)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,8 +31,10 @@ class BenchConfig:
         checkpoints: timed rounds of save + load per method.
         warmup: untimed rounds first (a job's first save allocates what later saves reuse: staging
             memory, threads; the benchmark measures the steady state).
-        io_modes: tiersave I/O modes to run (``auto``, ``direct``, ``buffered``).
-        peers: peer methods (``torch``, ``safetensors``, ``dcp``, ``dcp-async``).
+        io_modes: tiersave I/O modes to run (``auto``, ``direct``, ``buffered``, and ``async``: ``save_async``
+            with the auto policy).
+        peers: peer methods (``torch``, ``safetensors``, ``dcp``, ``dcp-async``) and yardsticks (``memcpy`` and
+            ``dlrover-shm``: copies into shared memory; ``plain-write``: a buffered write + ``fsync``).
         io_threads: tiersave's I/O threads (None: its default).
         raw: measure the raw device limits.
         drop_caches: also drop the kernel page cache (root only) besides ``fadvise(DONTNEED)``.
@@ -45,10 +49,10 @@ class BenchConfig:
     directory: Path
     model: str = "llama3-8b"
     size_bytes: int = 3_000_000_000
-    checkpoints: int = 2
+    checkpoints: int = 3
     warmup: int = 1
     io_modes: tuple[str, ...] = IO_MODES
-    peers: tuple[str, ...] = ("torch", "safetensors", "dcp", "dcp-async")
+    peers: tuple[str, ...] = ("torch", "safetensors", "dcp", "dcp-async", "memcpy", "dlrover-shm", "plain-write")
     io_threads: int | None = None
     raw: bool = True
     drop_caches: bool = True

@@ -37,12 +37,15 @@ __all__ = [
     "Method",
     "SafetensorsMethod",
     "SaveTiming",
+    "TiersaveAsyncMethod",
     "TiersaveMethod",
     "TorchSaveMethod",
     "make_peer",
 ]
 
 State = dict[str, torch.Tensor]
+
+_WAIT_S = 3600.0  # the longest a benchmarked save may take before the run fails instead of hanging
 
 
 @dataclass
@@ -148,6 +151,46 @@ class TiersaveMethod(Method):
     def close(self) -> None:
         if self.ckpt is not None:
             self.ckpt.close()
+
+
+class TiersaveAsyncMethod(Method):
+    """``Checkpointer.save_async`` with the auto policy: the time the caller was blocked, and the time until
+    the save is durable (``handle.result()``). With ``shared`` (the ``tiersave-auto`` method of the same run)
+    it saves through that method's Checkpointer, so the run holds one staging arena, not two; its restores
+    would be tiersave-auto's, so it loads nothing."""
+
+    name = "tiersave-async"
+    family = "tiersave-async"
+    load_variants: tuple[str, ...] = ()
+    _STEP_BASE = 1_000_000  # apart from the shared method's steps
+
+    def __init__(
+        self, *, shared: TiersaveMethod | None = None, io_threads: int | None = None, calibration: Any = None
+    ) -> None:
+        self.shared = shared
+        self.own = TiersaveMethod("auto", io_threads=io_threads, calibration=calibration) if shared is None else None
+
+    def prepare(self, root: Path) -> None:
+        if self.own is not None:
+            self.own.prepare(root)
+        owner = self.own if self.own is not None else self.shared
+        assert owner is not None
+        self.root, self.ckpt = owner.root, owner.ckpt
+
+    def save(self, index: int, state: State) -> SaveTiming:
+        start = time.perf_counter()
+        handle = self.ckpt.save_async(self._STEP_BASE + index + 1, state)
+        blocked = time.perf_counter() - start
+        handle.result(_WAIT_S)
+        seconds = time.perf_counter() - start
+        return SaveTiming(seconds, blocked, dict(handle.stats.to_json()))
+
+    def load(self, index: int, variant: str, template: State) -> tuple[float, State]:
+        raise ConfigError("tiersave-async checkpoints are loaded by tiersave-auto")
+
+    def close(self) -> None:
+        if self.own is not None:
+            self.own.close()
 
 
 def _io_delta(before: Any, after: Any) -> dict[str, Any]:
@@ -267,6 +310,8 @@ class DCPAsyncMethod(DCPMethod):
 
 
 PEERS = ("torch", "safetensors", "dcp", "dcp-async")
+"""The checkpointing peers; the copy and write yardsticks (``memcpy``, ``dlrover-shm``, ``plain-write``) are
+in :mod:`.references` and are named in ``--peers`` too."""
 
 
 def make_peer(name: str) -> Method:

@@ -4,14 +4,15 @@ Torch-free: everything here works from the run's JSON document (``BenchResult.to
 written by ``tiersave bench --json``), so a stored reference run can be re-rendered anywhere. The text
 report is the CLI's (``tiersave.cli.bench_cmd``).
 
-Throughput is the state's tensor bytes over the *mean* seconds of the rounds (every method moves the same
-bytes, so ratios of throughput are inverse ratios of time). The raw device figure of a round is the best of
-its configurations (see :mod:`tiersave.bench.device`).
+Throughput is the state's tensor bytes over the *median* seconds of the rounds (every method moves the same
+bytes, so ratios of throughput are inverse ratios of time), with the range over the rounds beside it (slowest
+and fastest round). The raw device figure of a round is the best of its configurations, one stream and
+several (see :mod:`tiersave.bench.device`); the report names the one that won.
 """
 
 from __future__ import annotations
 
-from statistics import mean
+from statistics import median
 from typing import Any
 
 from ..errors import BackendUnavailableError
@@ -27,6 +28,11 @@ TARGETS: tuple[tuple[str, str, float], ...] = (
     ("restore_new_vs_raw_read", "restore into new tensors, cold, vs best raw read", 0.9),
     ("restore_new_vs_torch", "restore (new tensors) vs torch.load", 1.5),
     ("restore_into_vs_dcp", "restore (into live state) vs DCP load", 1.5),
+    ("save_vs_safetensors", "save vs safetensors+fsync", 1.5),
+    ("save_vs_dcp_async", "save vs DCP async_save, until durable", 1.5),
+    ("restore_new_vs_safetensors", "restore (new tensors) vs safetensors", 1.5),
+    ("buffered_save_vs_plain_write", "io=buffered save vs a plain buffered write + fsync", 1.0),
+    ("async_stall_vs_dlrover", "save_async stall vs DLRover-like copy into shared memory (shorter = higher)", 1.0),
     ("auto_vs_best_save", "auto policy vs better of direct/buffered: save", 0.95),
     ("auto_vs_best_load_new", "auto policy vs better of direct/buffered: restore new", 0.95),
     ("auto_vs_best_load_into", "auto policy vs better of direct/buffered: restore into", 0.95),
@@ -36,8 +42,15 @@ TARGETS: tuple[tuple[str, str, float], ...] = (
 def _gbps(nbytes: int, seconds: list[float]) -> float | None:
     if not seconds:
         return None
-    avg = mean(seconds)
-    return nbytes / avg / 1e9 if avg > 0 else None
+    mid = median(seconds)
+    return nbytes / mid / 1e9 if mid > 0 else None
+
+
+def _gbps_range(nbytes: int, seconds: list[float]) -> list[float] | None:
+    """The slowest and the fastest round's throughput."""
+    if not seconds or min(seconds) <= 0:
+        return None
+    return [nbytes / max(seconds) / 1e9, nbytes / min(seconds) / 1e9]
 
 
 def _rate_from_rates(nbytes: int, rates: list[float]) -> float | None:
@@ -84,8 +97,11 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         methods[name] = {
             "family": m["family"],
             "save_gbps": _gbps(nbytes, m["save_s"]),
-            "blocked_s": mean(m["blocked_s"]) if m["blocked_s"] else None,
+            "save_range_gbps": _gbps_range(nbytes, m["save_s"]),
+            "blocked_s": median(m["blocked_s"]) if m["blocked_s"] else None,
+            "blocked_range_s": [min(m["blocked_s"]), max(m["blocked_s"])] if m["blocked_s"] else None,
             "load_gbps": {v: _gbps(nbytes, s) for v, s in m["load_s"].items()},
+            "load_range_gbps": {v: _gbps_range(nbytes, s) for v, s in m["load_s"].items()},
         }
     main = (
         "tiersave-auto"
@@ -99,6 +115,9 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     def load(name: str | None, variant: str) -> float | None:
         return methods[name]["load_gbps"].get(variant) if name in methods else None
 
+    def blocked(name: str) -> float | None:
+        return methods[name]["blocked_s"] if name in methods else None
+
     ratios: dict[str, float | None] = {
         "save_vs_raw_write": ratio(save(main), raw.get("write_gbps")),
         "save_vs_torch": ratio(save(main), save("torch")),
@@ -110,6 +129,10 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         "restore_new_vs_torch": ratio(load(main, "new"), load("torch", "new")),
         "restore_new_vs_safetensors": ratio(load(main, "new"), load("safetensors", "new")),
         "restore_into_vs_dcp": ratio(load(main, "into"), load("dcp", "into")),
+        "buffered_save_vs_plain_write": ratio(save("tiersave-buffered"), save("plain-write")),
+        # stalls: the reference's time over tiersave's, so that higher is better like every other ratio
+        "async_stall_vs_dlrover": ratio(blocked("dlrover-shm"), blocked("tiersave-async")),
+        "async_stall_vs_memcpy": ratio(blocked("memcpy"), blocked("tiersave-async")),
     }
     if main == "tiersave-auto":
         for key, case in (

@@ -152,9 +152,13 @@ def _check_resources(config: BenchConfig, spec: StateSpec) -> None:
     except (OSError, ValueError):
         return
     need_mem = 3 * spec.nbytes  # the state, the twin to load into, one loaded copy
+    what = "state, load target, one loaded copy"
+    if {"memcpy", "dlrover-shm"} & set(config.peers):
+        need_mem += spec.nbytes
+        what += ", the copy yardsticks' shared-memory buffer"
     if avail and avail < need_mem:
         raise ConfigError(
-            f"the benchmark holds about {need_mem / 1e9:.1f} GB in memory (state, load target, one loaded copy); "
+            f"the benchmark holds about {need_mem / 1e9:.1f} GB in memory ({what}); "
             f"only {avail / 1e9:.1f} GB is free: use a smaller --size"
         )
 
@@ -203,7 +207,8 @@ def _sole_run(directory: Path) -> Iterator[None]:
 
 def _run(config: BenchConfig, progress: ProgressFn | None, created: bool) -> BenchResult:
     from ..storage.posix.calibration import Calibration, calibration_for
-    from .methods import Method, TiersaveMethod, make_peer
+    from .methods import Method, TiersaveAsyncMethod, TiersaveMethod, make_peer
+    from .references import REFERENCES, SharedBuffer, make_reference
     from .workload import build_state, empty_like_state
 
     started = time.perf_counter()
@@ -215,12 +220,19 @@ def _run(config: BenchConfig, progress: ProgressFn | None, created: bool) -> Ben
     machine = _machine(directory)
 
     cal: Calibration | None = None
-    if "auto" in config.io_modes:
+    if "auto" in config.io_modes or "async" in config.io_modes:
         cal = calibration_for(directory, fstype, refresh=config.recalibrate)
         if cal is None:
             notes.append("no calibration (O_DIRECT refused or disabled): auto uses its defaults")
-    methods: list[Method] = [TiersaveMethod(m, io_threads=config.io_threads, calibration=cal) for m in config.io_modes]
-    methods += [make_peer(p) for p in config.peers]
+    methods: list[Method] = [
+        TiersaveMethod(m, io_threads=config.io_threads, calibration=cal) for m in config.io_modes if m != "async"
+    ]
+    if "async" in config.io_modes:
+        auto = next((m for m in methods if m.name == "tiersave-auto"), None)
+        shared = auto if isinstance(auto, TiersaveMethod) else None
+        methods.append(TiersaveAsyncMethod(shared=shared, io_threads=config.io_threads, calibration=cal))
+    buffer = SharedBuffer()
+    methods += [make_reference(p, buffer) if p in REFERENCES else make_peer(p) for p in config.peers]
     steps_per_round = (1 if config.raw else 0) + sum(1 + len(m.load_variants) for m in methods)
     rounds = config.warmup + config.checkpoints
     total = steps_per_round * rounds + (2 if config.ranks > 0 else 0) + 1

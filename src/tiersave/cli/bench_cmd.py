@@ -20,8 +20,8 @@ from ._common import EXIT_FAILURE, EXIT_OK, Output, add_json_flag, positive_int
 
 _EPILOG = """\
 examples:
-  # the reference run of docs/benchmarks.md: a 3 GB Llama-3-8B-like state, 2 checkpoints per method
-  tiersave bench /work/bench --model llama3-8b --size 3GB --checkpoints 2 --plot bench.png
+  # the reference run of docs/benchmarks.md: a 3 GB Llama-3-8B-like state, 3 checkpoints per method
+  tiersave bench /work/bench --model llama3-8b --size 3GB --checkpoints 3 --plot bench.png
   # tiersave alone (no peers), auto mode only, as JSON
   tiersave bench /scratch/b --size 1GB --io auto --peers none --json
   # one checkpoint saved by 4 ranks, next to DCP; --replicated: each rank holds the whole state (DDP)
@@ -31,8 +31,8 @@ Reads are cold: every file is fsync-ed and evicted with posix_fadvise(DONTNEED) 
 operation, and as root the page cache is dropped as well (--no-drop-caches to skip that).
 """
 
-_PEERS = ("torch", "safetensors", "dcp", "dcp-async")
-_IO = ("auto", "direct", "buffered")
+_PEERS = ("torch", "safetensors", "dcp", "dcp-async", "memcpy", "dlrover-shm", "plain-write")
+_IO = ("auto", "direct", "buffered", "async")
 
 
 def _list(choices: tuple[str, ...], what: str) -> Any:
@@ -69,7 +69,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default="llama3-8b", metavar="PRESET", help="shape preset (default llama3-8b)")
     p.add_argument("--size", default="3GB", metavar="BYTES", help="state size: weights + Adam moments (default 3GB)")
     p.add_argument(
-        "--checkpoints", type=positive_int, default=2, metavar="N", help="timed checkpoints per method (default 2)"
+        "--checkpoints", type=positive_int, default=3, metavar="N", help="timed checkpoints per method (default 3)"
     )
     p.add_argument(
         "--warmup", type=int, default=1, metavar="N", help="untimed rounds before the timed ones (default 1)"
@@ -79,14 +79,16 @@ def register(subparsers: Any) -> None:
         type=_list(_IO, "io mode"),
         default=_IO,
         metavar="MODES",
-        help="tiersave I/O modes, comma-separated (default auto,direct,buffered)",
+        help="tiersave save modes, comma-separated: blocking saves per I/O policy, and async (save_async, auto "
+        "policy) (default auto,direct,buffered,async)",
     )
     p.add_argument(
         "--peers",
         type=_list(_PEERS, "peer"),
         default=_PEERS,
         metavar="PEERS",
-        help="peers, comma-separated, or none (default torch,safetensors,dcp,dcp-async)",
+        help="peers and yardsticks, comma-separated, or none (default torch,safetensors,dcp,dcp-async and the "
+        "yardsticks memcpy,dlrover-shm (copies into shared memory) and plain-write (a buffered write + fsync))",
     )
     p.add_argument(
         "--threads", type=positive_int, metavar="N", help="tiersave I/O threads (default TIERSAVE_IO_THREADS)"
@@ -175,6 +177,13 @@ def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
+def _spread(x: float | None, span: list[float] | None, spec: str = ".2f") -> str:
+    """A median and, when the rounds differ, their range: ``1.23 (1.10-1.30)``."""
+    if x is None or not span or f"{span[0]:{spec}}" == f"{span[1]:{spec}}":
+        return _fmt(x, spec)
+    return f"{x:{spec}} ({span[0]:{spec}}-{span[1]:{spec}})"
+
+
 def render_text(data: dict[str, Any]) -> str:
     """The run as a plain-text report: the setup, a table per method, the ratios and the targets."""
     from ..bench.report import ratio
@@ -209,13 +218,14 @@ def render_text(data: dict[str, Any]) -> str:
     for name, m in s["methods"].items():
         new, into = m["load_gbps"].get("new"), m["load_gbps"].get("into")
         best_load = max((x for x in (new, into) if x is not None), default=None)
+        spans = m.get("load_range_gbps") or {}
         rows.append(
             [
                 name,
-                _fmt(m["save_gbps"]),
-                _fmt(m["blocked_s"], ".2f"),
-                _fmt(new),
-                _fmt(into),
+                _spread(m["save_gbps"], m.get("save_range_gbps")),
+                _spread(m["blocked_s"], m.get("blocked_range_s"), ".3f"),
+                _spread(new, spans.get("new")),
+                _spread(into, spans.get("into")),
                 _fmt(ratio(m["save_gbps"], raw_w), ".2f", "x"),
                 _fmt(ratio(best_load, raw_r), ".2f", "x"),
             ]
@@ -226,6 +236,8 @@ def render_text(data: dict[str, Any]) -> str:
             ["method", "save GB/s", "blocked s", "load new GB/s", "load into GB/s", "save/raw", "load/raw"],
             rows,
         ),
+        "medians over the rounds (slowest-fastest round); save: until durable, except the copy yardsticks "
+        "(memcpy, dlrover-shm), which are a copy into shared memory",
     ]
     if data.get("ranks"):
         lines += _render_ranks(data["ranks"])
