@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,26 @@ import pytest
 # live here: pytest imports every conftest.py as the module "conftest", so `from conftest import x`
 # would depend on which directory's conftest was imported last.
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_memory_tier() -> Iterator[None]:
+    """The run's ``mem://`` roots live in a directory of their own on the real tmpfs, removed at the end.
+
+    The memory tier outlives its process by design (a crashed job restores from it), so every root a test
+    creates would otherwise stay in the user's ``/dev/shm/tiersave-<uid>`` (2.9 GB of them piled up here
+    over a day of runs). Set in the environment, so the tests' worker processes inherit it; a test that
+    points ``TIERSAVE_SHM_DIR`` elsewhere still can (monkeypatch restores this one after it)."""
+    if os.environ.get("TIERSAVE_SHM_DIR"):
+        yield
+        return
+    path = tempfile.mkdtemp(prefix="tiersave-tests-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.environ["TIERSAVE_SHM_DIR"] = path
+    try:
+        yield
+    finally:
+        os.environ.pop("TIERSAVE_SHM_DIR", None)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
