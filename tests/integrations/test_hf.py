@@ -8,7 +8,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import logging
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingA
 import tiersave
 from tiersave.integrations.hf import TiersaveTrainer, retention_for
 from tiersave.storage.memory import shm_base
+from tiersave.storage.posix import LocalStorage
+from tiersave.testing.faults import FaultyStorage
 from tiersave.tiers import Tier
 
 pytestmark = pytest.mark.timeout(180)
@@ -254,4 +258,59 @@ def test_the_best_the_trainer_names_survives_a_better_score_at_a_step_between_sa
     assert trainer.state.best_model_checkpoint == "tiersave:step=4"
     assert [c.step for c in ckpt.list()] == [4, 12]  # the Trainer's best and the newest
     assert all(torch.equal(v, seen[4][k]) for k, v in trainer.model.state_dict().items())
+    ckpt.close()
+
+
+def test_a_best_save_that_on_busy_skip_skipped_is_not_named_best(tmp_path, caplog):
+    """With ``on_busy="skip"``, the save of a new best step can be skipped while the previous save is still being
+    written: nothing of it is stored, so the Trainer must not name it best (``load_best_model_at_end`` would
+    then look for a step that was never saved); its best stays the save it named before, said once in the log."""
+    scores = {2: 0.1, 4: 0.9, 6: 0.3, 8: 0.5, 10: 0.2, 12: 0.4}  # 4 is the best score, and its save is skipped
+    gate = threading.Event()  # the save of step 2 is held until step 5 ends: step 4's save finds it in flight
+    holder: dict[str, Any] = {}
+
+    def compute_metrics(_pred: Any) -> dict[str, float]:
+        return {"score": scores[holder["trainer"].state.global_step]}
+
+    class OpenAt5(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 5:
+                gate.set()
+
+    args = make_args(
+        tmp_path / "out",
+        eval_strategy="steps",
+        eval_steps=2,
+        metric_for_best_model="score",
+        greater_is_better=True,
+        load_best_model_at_end=True,
+    )
+    storage = FaultyStorage(LocalStorage(tmp_path / "ckpt"), gates={"finish": gate})
+    ckpt = tiersave.Checkpointer(tiers=[Tier(storage, keep=retention_for(args, keep_last=1))], on_busy="skip")
+    trainer = TiersaveTrainer(
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=Tokens(SAMPLES, 7),
+        eval_dataset=Tokens(8, 3),
+        compute_metrics=compute_metrics,
+        callbacks=[OpenAt5()],
+        checkpointer=ckpt,
+    )
+    holder["trainer"] = trainer
+    try:
+        with (
+            caplog.at_level(logging.DEBUG, logger="tiersave.integrations.hf"),
+            pytest.warns(tiersave.TiersaveWarning, match="skipping the save of step 4"),
+        ):
+            trainer.train()  # loads the Trainer's best at the end: a step that was never saved would fail here
+    finally:
+        gate.set()
+    assert trainer.state.best_global_step == 4 and trainer.state.best_metric == 0.9  # the Trainer's score
+    assert trainer.state.best_model_checkpoint == "tiersave:step=2"  # but its best checkpoint is a saved one
+    assert trainer.skipped_best_saves == 1
+    assert 4 not in ckpt.catalog.steps() and 2 in ckpt.catalog.steps()  # retention kept the Trainer's best
+    assert "best" in ckpt.info(2).tags
+    said = [r for r in caplog.records if "a new best by eval_score, was skipped" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
+    assert "the Trainer's best stays tiersave:step=2" in said[0].getMessage()
     ckpt.close()

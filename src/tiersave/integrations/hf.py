@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import warnings
@@ -55,6 +56,8 @@ __all__ = ["TiersaveTrainer", "TrainerBest", "best_metric_name", "retention_for"
 _MARKER = "tiersave:step="
 """Prefix of the ``resume_from_checkpoint`` value handed to the Trainer's loop, and of
 ``TrainerState.best_model_checkpoint``: a tiersave step, not a directory."""
+
+log = logging.getLogger(__name__)
 
 _KEYS = ("model", "optimizer", "lr_scheduler", "scaler", "rng", "trainer_state")
 
@@ -160,6 +163,8 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
             self.checkpointer = Checkpointer(tiers=[Tier(checkpointer, keep=retention_for(self.args))])
         self._tiersave_resume: int | None = None
         self._tiersave_loaded: dict[str, Any] | None = None
+        self.skipped_best_saves = 0
+        """Saves of a new best step that ``on_busy="skip"`` skipped: the Trainer's best stayed the one before."""
 
     # -- entry point ------------------------------------------------------------------------------
 
@@ -349,7 +354,8 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
             raise ConfigError("TiersaveTrainer does not support hyper-parameter search")
         self.store_flos()
         step = self.state.global_step
-        if self.state.best_global_step == step:
+        best, previous_best = self.state.best_global_step == step, self.state.best_model_checkpoint
+        if best:  # what this save's trainer state records, and what the Trainer loads at the end if it is saved
             self.state.best_model_checkpoint = f"{_MARKER}{step}"
         # Exportable callbacks' state goes into the trainer state, as the Trainer does before writing it.
         stateful: Any = self.state.stateful_callbacks  # a dict by name once training started
@@ -370,12 +376,32 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
             state["scaler"] = scaler
-        self.checkpointer.save_async(
+        handle = self.checkpointer.save_async(
             step,
             state,
             metrics=_eval_metrics(self.state.log_history, step),
-            tags=("best",) if self.state.best_global_step == step else (),
+            tags=("best",) if best else (),
             metadata={"writer": "tiersave.integrations.hf", "transformers": transformers.__version__},
+        )
+        if best and handle.skipped:
+            self._best_not_saved(step, previous_best)
+
+    def _best_not_saved(self, step: int, previous_best: str | None) -> None:
+        """``on_busy="skip"`` skipped the save of a new best step: nothing of it is stored, so the Trainer's
+        best stays the save it named before (what ``load_best_model_at_end`` loads, what retention keeps), as
+        when a best score falls between two saves."""
+        self.state.best_model_checkpoint = previous_best
+        self.skipped_best_saves += 1
+        level = logging.WARNING if self.skipped_best_saves == 1 else logging.DEBUG  # said once, then counted
+        log.log(
+            level,
+            "the save of step %d, a new best by %s, was skipped (the checkpointer's on_busy='skip': the previous "
+            "save was still being written); the Trainer's best stays %s (%d such skips so far, counted in "
+            "trainer.skipped_best_saves)",
+            step,
+            best_metric_name(self.args),
+            previous_best or "unset",
+            self.skipped_best_saves,
         )
 
 
