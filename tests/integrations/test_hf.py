@@ -157,9 +157,12 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, mem_uri, ref
     resumed.checkpointer.close()
 
 
-def scored_run(tmp_path: Path, scores: dict[int, float], **overrides: Any) -> tuple[Any, dict[int, Any]]:
-    """A run whose evaluation score (higher is better) at each step is scripted, keeping 1 checkpoint plus
-    the best and loading the best at the end; also the weights at each save, as the Trainer saw them."""
+def scored_trainer(
+    tmp_path: Path, scores: dict[int, float], *, checkpointer: Any = None, callbacks: Any = (), **overrides: Any
+) -> tuple[Any, dict[int, Any]]:
+    """A Trainer whose evaluation score (higher is better) at each step is scripted, keeping 1 checkpoint plus
+    the best and loading the best at the end; also the weights at each save, as the Trainer saw them.
+    ``checkpointer``: a function of the Trainer's arguments making its Checkpointer (default: a root path)."""
     holder: dict[str, Any] = {}
 
     def compute_metrics(_pred: Any) -> dict[str, float]:
@@ -175,7 +178,7 @@ def scored_run(tmp_path: Path, scores: dict[int, float], **overrides: Any) -> tu
         tmp_path / "out",
         eval_strategy="steps",
         eval_steps=2,
-        save_total_limit=1,
+        save_total_limit=None if checkpointer is not None else 1,
         metric_for_best_model="score",
         greater_is_better=True,
         load_best_model_at_end=True,
@@ -187,11 +190,17 @@ def scored_run(tmp_path: Path, scores: dict[int, float], **overrides: Any) -> tu
         train_dataset=Tokens(SAMPLES, 7),
         eval_dataset=Tokens(8, 3),
         compute_metrics=compute_metrics,
-        callbacks=[Snapshot()],
-        checkpointer=tmp_path / "ckpt",
+        callbacks=[Snapshot(), *callbacks],
+        checkpointer=checkpointer(args) if checkpointer is not None else tmp_path / "ckpt",
     )
     holder["trainer"] = trainer
-    trainer.train()  # loads the Trainer's best at the end: it must still be stored
+    return trainer, seen
+
+
+def scored_run(tmp_path: Path, scores: dict[int, float], **overrides: Any) -> tuple[Any, dict[int, Any]]:
+    """:func:`scored_trainer`, trained (which loads the Trainer's best at the end: it must still be stored)."""
+    trainer, seen = scored_trainer(tmp_path, scores, **overrides)
+    trainer.train()
     return trainer, seen
 
 
@@ -267,36 +276,18 @@ def test_a_best_save_that_on_busy_skip_skipped_is_not_named_best(tmp_path, caplo
     then look for a step that was never saved); its best stays the save it named before, said once in the log."""
     scores = {2: 0.1, 4: 0.9, 6: 0.3, 8: 0.5, 10: 0.2, 12: 0.4}  # 4 is the best score, and its save is skipped
     gate = threading.Event()  # the save of step 2 is held until step 5 ends: step 4's save finds it in flight
-    holder: dict[str, Any] = {}
-
-    def compute_metrics(_pred: Any) -> dict[str, float]:
-        return {"score": scores[holder["trainer"].state.global_step]}
 
     class OpenAt5(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.global_step == 5:
                 gate.set()
 
-    args = make_args(
-        tmp_path / "out",
-        eval_strategy="steps",
-        eval_steps=2,
-        metric_for_best_model="score",
-        greater_is_better=True,
-        load_best_model_at_end=True,
-    )
-    storage = FaultyStorage(LocalStorage(tmp_path / "ckpt"), gates={"finish": gate})
-    ckpt = tiersave.Checkpointer(tiers=[Tier(storage, keep=retention_for(args, keep_last=1))], on_busy="skip")
-    trainer = TiersaveTrainer(
-        model=tiny_gpt2(),
-        args=args,
-        train_dataset=Tokens(SAMPLES, 7),
-        eval_dataset=Tokens(8, 3),
-        compute_metrics=compute_metrics,
-        callbacks=[OpenAt5()],
-        checkpointer=ckpt,
-    )
-    holder["trainer"] = trainer
+    def gated(args: TrainingArguments) -> tiersave.Checkpointer:
+        storage = FaultyStorage(LocalStorage(tmp_path / "ckpt"), gates={"finish": gate})
+        return tiersave.Checkpointer(tiers=[Tier(storage, keep=retention_for(args, keep_last=1))], on_busy="skip")
+
+    trainer, _ = scored_trainer(tmp_path, scores, checkpointer=gated, callbacks=[OpenAt5()])
+    ckpt = trainer.checkpointer
     try:
         with (
             caplog.at_level(logging.DEBUG, logger="tiersave.integrations.hf"),
