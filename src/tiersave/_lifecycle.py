@@ -128,6 +128,15 @@ def wait_for(pending: _Save, follow_ups: Sequence[tuple[str, Executor]], timeout
     return [follow_ups[i][0] for i in unfinished_queues([queue for _, queue in follow_ups], left)]
 
 
+def after_timeout(obj: _Hooked, within: str) -> tuple[bool, str]:
+    """After ``obj.wait()`` timed out: whether its last save is committed (then only its follow-up did not
+    finish), and :func:`unfinished_message`'s words for what did not, for the adapters that report it."""
+    state = obj._exit_state()
+    pending = state.inflight if state is not None else None
+    committed = pending is not None and pending.done() and pending.exception() is None
+    return committed, unfinished_message(pending, obj._unfinished, state.uri if state else "?", within)
+
+
 def unfinished_message(pending: _Save | None, unfinished: Sequence[str], uri: str, within: str) -> str:
     """What a wait that timed out (``within``: "within 30 s", "before close") left, in words that stay true: a
     save that did not commit is not visible; one that committed is, and only its follow-up (``unfinished``, as

@@ -12,6 +12,7 @@ import logging
 import shutil
 import threading
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -305,3 +306,29 @@ def test_a_best_save_that_on_busy_skip_skipped_is_not_named_best(tmp_path, caplo
     assert len(said) == 1 and said[0].levelno == logging.WARNING, said
     assert "the Trainer's best stays tiersave:step=2" in said[0].getMessage()
     ckpt.close()
+
+
+def test_train_loads_the_best_and_returns_once_the_saves_are_committed_though_a_drain_goes_on(tmp_path):
+    """``train()`` waits for the last save to be durable, and ``load_best_model_at_end`` for the best step to be;
+    a drain to a later tier that outlasts the wait is said (a warning naming the save committed and the drain),
+    not raised as a save that did not finish."""
+    gate = threading.Event()  # the drains to "slow" never finish while the Trainer runs
+
+    def two_tiers(args: TrainingArguments) -> tiersave.Checkpointer:
+        slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+        fast = Tier(tmp_path / "fast", name="fast", keep=retention_for(args, keep_last=1))
+        return tiersave.Checkpointer(tiers=[fast, Tier(slow, name="slow")], exit_timeout_s=0.5)
+
+    scores = {2: 0.1, 4: 0.9, 6: 0.3, 8: 0.5, 10: 0.2, 12: 0.4}
+    trainer, seen = scored_trainer(tmp_path, scores, checkpointer=two_tiers)
+    try:
+        with warnings.catch_warnings(record=True) as said:  # also: tier slow cannot keep up
+            warnings.simplefilter("always")
+            trainer.train()  # loads the best (step 4) at the end, then waits for the last save
+    finally:
+        gate.set()
+    (message,) = [str(w.message) for w in said if "is committed in" in str(w.message)]
+    assert "the save of step 12 is committed in" in message and "the drain to tier slow" in message, message
+    assert "not visible" not in message, message
+    assert all(torch.equal(v, seen[4][k]) for k, v in trainer.model.state_dict().items())  # the best, loaded
+    trainer.checkpointer.close()

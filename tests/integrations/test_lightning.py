@@ -230,3 +230,23 @@ def test_a_pointer_whose_save_commits_too_late_is_reported(tmp_path):
     finally:
         gate.set()
         io.close()
+
+
+def test_a_flush_timed_out_by_a_drain_names_the_save_committed(tmp_path):
+    gate = threading.Event()
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    tiers = [tiersave.Tier(tmp_path / "fast", name="fast"), tiersave.Tier(slow, name="slow")]
+    io = TiersaveCheckpointIO(tiersave.Checkpointer(tiers=tiers, handle_sigterm=False), timeout_s=0.3)
+    target = tmp_path / "ckpt" / "a.ckpt"
+    try:
+        io.save_checkpoint({"global_step": 3, "w": torch.rand(64)}, target)
+        with pytest.raises(tiersave.SaveTimeoutError) as timed_out:
+            io.flush()
+        message = str(timed_out.value)
+        assert "the save of step 3 is committed in" in message and "the drain to tier slow" in message, message
+        assert "not visible" not in message, message
+    finally:
+        gate.set()
+        io.timeout_s = 30.0
+        io.close()
+    assert read_pointer(target) == 3

@@ -48,7 +48,14 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
 from tiersave import Checkpointer, RNGState, Tier
-from tiersave.errors import CheckpointNotFoundError, ConfigError, SaveTimeoutError, StateMismatchError
+from tiersave._lifecycle import after_timeout
+from tiersave.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    SaveTimeoutError,
+    StateMismatchError,
+    TiersaveWarning,
+)
 from tiersave.policy import CheckpointLike, KeepAny, KeepLast, RetentionPolicy
 
 __all__ = ["TiersaveTrainer", "TrainerBest", "best_metric_name", "retention_for"]
@@ -219,10 +226,13 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
         finally:
             self._tiersave_resume = None
             self._tiersave_loaded = None
-        if not self.checkpointer.wait(self.checkpointer.exit_timeout_s):
-            raise SaveTimeoutError(
-                f"the last checkpoint save did not finish within {self.checkpointer.exit_timeout_s:.0f} s"
-            )
+        timeout = self.checkpointer.exit_timeout_s
+        if not self.checkpointer.wait(timeout):
+            committed, words = after_timeout(self.checkpointer, f"within {timeout:g} s")
+            if not committed:
+                raise SaveTimeoutError(words)
+            # Durable already: only a drain or retention goes on (the exit hook waits for it again).
+            warnings.warn(f"tiersave: {words}", TiersaveWarning, stacklevel=2)
         return output
 
     def _check_supported(self) -> None:
@@ -342,9 +352,11 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
             super()._load_best_model()
             return
         step = int(best.removeprefix(_MARKER))
-        # The best checkpoint may be the save still being written.
-        if not self.checkpointer.wait(self.checkpointer.exit_timeout_s):
-            raise SaveTimeoutError(f"the save of the best step {step} did not finish in time to load it")
+        # The best checkpoint may be the save still being written; once committed, it loads (drains may go on).
+        timeout = self.checkpointer.exit_timeout_s
+        if not self.checkpointer.wait(timeout) and not self._holds(best):
+            words = after_timeout(self.checkpointer, f"within {timeout:g} s")[1]
+            raise SaveTimeoutError(f"cannot load the best step {step}: {words}")
         self.checkpointer.restore(step, into={"model": self.model}, strict=False)
 
     # -- save -------------------------------------------------------------------------------------

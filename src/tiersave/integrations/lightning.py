@@ -45,6 +45,7 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from tiersave import Checkpointer, RNGState, SaveHandle
+from tiersave._lifecycle import after_timeout
 from tiersave.errors import CheckpointNotFoundError, ConfigError, FormatError, SaveTimeoutError, StorageError
 from tiersave.policy import CheckpointLike
 
@@ -233,7 +234,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         """
         # Checkpointer.wait would re-raise a save that failed synchronously, already raised to Lightning.
         if not self.checkpointer.wait(self.timeout_s, raise_errors=False):
-            raise SaveTimeoutError(f"a checkpoint save did not finish within {self.timeout_s:.0f} s")
+            raise self._timed_out()
         for handle in list(self._handles.values()):
             err = handle.exception() if handle.failed() else None
             if err is not None:
@@ -320,6 +321,10 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if replaced is not None and replaced != step:
             self._unreferenced.add(replaced)
 
+    def _timed_out(self) -> SaveTimeoutError:
+        """The checkpointer's wait timed out: what did not finish (a save, or a committed save's drain)."""
+        return SaveTimeoutError(after_timeout(self.checkpointer, f"within {self.timeout_s:g} s")[1])
+
     def _raise_error(self) -> None:
         err, self._error = self._error, None
         if err is not None:
@@ -331,7 +336,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if not candidates:
             return
         if wait and not self.checkpointer.wait(self.timeout_s, raise_errors=False):
-            raise SaveTimeoutError(f"a checkpoint save did not finish within {self.timeout_s:.0f} s")
+            raise self._timed_out()
         with self._lock:
             named = {step for step, job in self._jobs if not job.done()}
             dirs = list(self._dirs)
