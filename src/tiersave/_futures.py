@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
+
+_GLANCE_S = 0.05  # an idle thread runs a no-op well within this
 
 
 def wait_all(futures: Iterable[Future[Any]]) -> None:
@@ -20,17 +22,21 @@ def wait_all(futures: Iterable[Future[Any]]) -> None:
         fut.result()
 
 
-def wait_queues(executors: Iterable[Executor], timeout: float | None) -> bool:
-    """Wait until every task queued so far on each single-threaded ``executor`` has run: a no-op queued
-    now runs after them. Returns False if ``timeout`` seconds passed first; a shut-down executor has
-    nothing pending."""
+def unfinished_queues(executors: Sequence[Executor], timeout: float | None) -> list[int]:
+    """Wait until every task queued so far on each single-threaded executor has run: a no-op queued now runs
+    after them. The executors are waited for in order, because a task on one may queue work on a later one.
+    Returns the indexes of those whose queue had not run out when ``timeout`` seconds passed (empty: all
+    did); once it has passed, each remaining executor gets a brief look (``_GLANCE_S``), not the whole wait.
+    A shut-down executor has nothing pending."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    for executor in executors:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    unfinished: list[int] = []
+    for index, executor in enumerate(executors):
+        remaining = None if deadline is None else max(_GLANCE_S, deadline - time.monotonic())
         try:
             executor.submit(lambda: None).result(remaining)
         except FutureTimeout:
-            return False
+            unfinished.append(index)
+            deadline = time.monotonic()  # the rest get their glance only
         except RuntimeError:  # shut down: nothing can be pending
             pass
-    return True
+    return unfinished

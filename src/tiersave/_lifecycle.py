@@ -2,8 +2,11 @@
 
 Every open Checkpointer is registered (weakly). At interpreter exit, and on SIGTERM when enabled, the hook
 of each one (:func:`finish_or_report`) waits (bounded by its ``exit_timeout_s``) for its in-flight save and
-writes one line to stderr if the save could not finish or failed; an unfinished save is never half-visible, it is simply
-not committed. Background threads are daemons, so a stuck write cannot hang the exit itself.
+the save's follow-up (retention, drains to later tiers, the removal of deleted checkpoints' files), and writes
+one line to stderr if any of it could not finish or the save failed. The line says which (:func:`unfinished_message`):
+a save that did not commit is never half-visible, it is simply not committed; a committed save whose follow-up
+did not finish is named committed, with what did not finish. Background threads are daemons, so a stuck write
+cannot hang the exit itself.
 
 The SIGTERM handler is installed once, only from the main thread. It chains to a handler that was
 installed before it; when there was none (the default action), it re-delivers SIGTERM with the default
@@ -17,10 +20,15 @@ import os
 import signal
 import sys
 import threading
+import time
 import weakref
+from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol
+
+from ._futures import unfinished_queues
 
 
 class _Save(Protocol):
@@ -29,6 +37,7 @@ class _Save(Protocol):
     @property
     def step(self) -> int: ...
     def done(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
     def exception(self) -> BaseException | None: ...
     def _unobserved_error(self) -> BaseException | None: ...
 
@@ -45,6 +54,8 @@ class ExitState:
 
 
 class _Hooked(Protocol):
+    _unfinished: list[str]  # what the last wait() that timed out left unfinished, named
+
     def _exit_state(self) -> ExitState | None: ...
     def wait(self, timeout: float | None = None, *, raise_errors: bool = True) -> bool: ...
 
@@ -99,13 +110,50 @@ def finish_or_report(obj: _Hooked, reason: str) -> None:
             f"tiersave: {reason}: finishing the save of step {pending.step} (up to {state.timeout_s:.0f} s)\n"
         )
     if not obj.wait(state.timeout_s, raise_errors=False):
-        sys.stderr.write(
-            f"tiersave: the save of step {pending.step if pending else '?'} did not finish within "
-            f"{state.timeout_s:.0f} s; it is not visible (the newest checkpoint is the previous one)\n"
-        )
+        within = f"within {state.timeout_s:.0f} s"
+        sys.stderr.write(f"tiersave: {unfinished_message(pending, obj._unfinished, state.uri, within)}\n")
         return
     if pending is not None and pending._unobserved_error() is not None:
         sys.stderr.write(f"tiersave: the save of step {pending.step} FAILED: {pending.exception()}\n")
+
+
+def wait_for(pending: _Save, follow_ups: Sequence[tuple[str, Executor]], timeout: float | None) -> list[str]:
+    """Wait, ``timeout`` seconds in all, for ``pending`` to commit or fail, then for its follow-up: the tasks
+    queued so far on ``follow_ups``' single-threaded executors, each named by what it does, in the order they
+    hand work on. Returns the names of what did not finish (empty: everything did)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if not pending.wait(timeout):
+        return [f"the save of step {pending.step}"]
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    return [follow_ups[i][0] for i in unfinished_queues([queue for _, queue in follow_ups], left)]
+
+
+def after_timeout(obj: _Hooked, within: str) -> tuple[bool, str]:
+    """After ``obj.wait()`` timed out: whether its last save is committed (then only its follow-up did not
+    finish), and :func:`unfinished_message`'s words for what did not, for the adapters that report it."""
+    state = obj._exit_state()
+    pending = state.inflight if state is not None else None
+    committed = pending is not None and pending.done() and pending.exception() is None
+    return committed, unfinished_message(pending, obj._unfinished, state.uri if state else "?", within)
+
+
+def unfinished_message(pending: _Save | None, unfinished: Sequence[str], uri: str, within: str) -> str:
+    """What a wait that timed out (``within``: "within 30 s", "before close") left, in words that stay true: a
+    save that did not commit is not visible; one that committed is, and only its follow-up (``unfinished``, as
+    :func:`wait_for` named it) did not finish."""
+    if pending is None or not pending.done():
+        return (
+            f"the save of step {pending.step if pending else '?'} did not finish {within}; it is not visible "
+            f"(the newest checkpoint in {uri} is the previous one)"
+        )
+    rest = "; ".join(unfinished)
+    error = pending.exception()
+    if error is not None:
+        return (
+            f"the save of step {pending.step} FAILED and is not visible: {error}; the follow-up of earlier saves "
+            f"did not finish {within}: {rest}"
+        )
+    return f"the save of step {pending.step} is committed in {uri}; its follow-up did not finish {within}: {rest}"
 
 
 def _install_sigterm() -> None:

@@ -36,10 +36,10 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Executor
 from typing import Any, Literal
 
 from . import _lifecycle, knobs
-from ._futures import wait_queues
 from .catalog import CheckpointInfo, VerifyReport
 from .collective import join
 from .engine.pool import DaemonThreadPool
@@ -47,6 +47,7 @@ from .errors import ClosedError, ConfigError, SaveError, TiersaveWarning
 from .format.layout import MAX_CHUNK_BYTES
 from .handle import SaveHandle
 from .lazy import Guard
+from .partdrain import PartDrains
 from .partial import Selection
 from .planner.schedule import SaveCost, Schedule, parse_schedule
 from .policy import RetentionPolicy
@@ -162,6 +163,7 @@ class Checkpointer:
         self._roots = RootLocks(lambda: (t.storage for t in self._chain.tiers), enabled=writer_lock and not self._rank)
         self._last: SaveHandle | None = None
         self._inflight: SaveHandle | None = None
+        self._unfinished: builtins.list[str] = []  # what the last wait() that timed out left, named
         self._closed = False
         self.skipped_saves = 0
         self.last_restore: RestoreReport | None = None
@@ -174,8 +176,8 @@ class Checkpointer:
         threads and the staging memory. Idempotent.
 
         Returns:
-            True if no save was left unfinished. An unfinished save is reported as a warning; it is not
-            visible (the previous checkpoint stays the newest).
+            True if nothing was left unfinished. A warning names what was: a save that did not commit (it is
+            not visible; the previous checkpoint stays the newest), or a committed save's follow-up.
 
         Raises:
             SaveError: the last save failed in the background and nobody observed its error.
@@ -193,7 +195,7 @@ class Checkpointer:
             self._roots.release()
             _raise_unobserved(self._last)
         else:
-            _warn_unfinished(self._inflight, self.storage.uri)
+            _warn_unfinished(self._inflight, self._unfinished, self.storage.uri)
         return finished
 
     def __enter__(self) -> Checkpointer:
@@ -227,11 +229,8 @@ class Checkpointer:
         pending = self._inflight
         if pending is None:
             return True
-        if not pending.wait(timeout):
-            return False
-        # Each background thread runs its queue in order: once a no-op queued now has run, retention and
-        # every other follow-up of the saves before it have run too.
-        if not wait_queues([self._committer, *self._chain.background_pools()], timeout):
+        self._unfinished = _lifecycle.wait_for(pending, _follow_ups(self._committer, self._chain), timeout)
+        if self._unfinished:
             return False
         if raise_errors:
             err = pending.exception()
@@ -502,13 +501,32 @@ def _raise_unobserved(last: SaveHandle | None) -> None:
         raise SaveError(f"the save of step {last.step} failed and nobody observed it: {err}") from err
 
 
-def _warn_unfinished(pending: SaveHandle | None, uri: str) -> None:
-    warnings.warn(
-        f"tiersave: the save of step {pending.step if pending else '?'} did not finish before close; "
-        f"it is not visible, the newest checkpoint in {uri} is the previous one",
-        TiersaveWarning,
-        stacklevel=3,
-    )
+def _warn_unfinished(pending: SaveHandle | None, unfinished: Sequence[str], uri: str) -> None:
+    message = _lifecycle.unfinished_message(pending, unfinished, uri, "before close")
+    warnings.warn(f"tiersave: {message}", TiersaveWarning, stacklevel=3)
+
+
+def _follow_ups(committer: DaemonThreadPool, chain: TierChain) -> builtins.list[tuple[str, Executor]]:
+    """The single-threaded queues that a committed save's follow-up runs on, in the order they hand work on (the
+    commit thread queues the drains and the removals), each named for a message saying it did not finish."""
+    first = chain.first
+    out: builtins.list[tuple[str, Executor]] = [
+        (f"the retention of tier {first.name} (what it would delete stays until a later retention)", committer)
+    ]
+    out += [
+        (f"the drain to tier {t.name} ({t.storage.uri}), which lacks the step it copies", t.drainer)
+        for t in chain.tiers
+        if t.drainer is not None
+    ]
+    for companion in chain.companions:
+        if companion is chain.reclaimer:
+            what = f"the removal of deleted checkpoints' files from {first.storage.uri} (a later retention does it)"
+        elif isinstance(companion, PartDrains):
+            what = "the drain of this node's part to later tiers, which lack the step it copies"
+        else:
+            what = f"the replication of tier {first.name} to its peers' memory"
+        out += [(what, pool) for pool in companion.pools()]
+    return out
 
 
 def _prune_policy(keep_last: int | None, policy: RetentionPolicy | str | None) -> RetentionPolicy | None:

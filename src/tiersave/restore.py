@@ -209,7 +209,7 @@ def restore_from(
                     assert group is not None
                     result, nbytes, in_place = finish_together(group, candidate, job)
                 else:
-                    result, nbytes, in_place = job.finish() if job.done is None else job.done
+                    result, nbytes, in_place = job.finish()
                 location = tier.catalog.location(candidate)
                 report = RestoreReport(
                     candidate, location, nbytes, time.perf_counter() - start, in_place, skipped, tier.name
@@ -335,7 +335,10 @@ class Restore:
             self._read_all(pool)
 
     def finish(self) -> tuple[Any, int, int]:
-        """Copy what was not read in place into the live tensors and load the tree into the live state."""
+        """Copy what was not read in place into the live tensors and load the tree into the live state, once: a
+        later call (a restore that finished before the ranks' agreement) returns the first call's result."""
+        if self.done is not None:
+            return self.done
         with paused_gc():
             self.done = self._finish()
         self._read = None  # the destinations are the result's now: no reference to them from this job

@@ -42,9 +42,8 @@ class Restore(Protocol):
     """What these exchanges need of one rank's read of a copy (``restore.Restore``, which imports this module)."""
 
     split: splitverify.Split | None
-    done: tuple[Any, int, int] | None
 
-    def finish(self) -> tuple[Any, int, int]: ...
+    def finish(self) -> tuple[Any, int, int]: ...  # once: a later call returns the first call's result
 
     def verify_unchecked(self) -> None: ...
 
@@ -117,12 +116,11 @@ def finish_together(group: CoordinationGroup, step: int, job: Restore) -> tuple[
             is loaded by then: the restore raised, so its content is not to be trusted.
     """
     failure: Exception | None = None
-    done = job.done
-    if done is None:
-        try:
-            done = job.finish()
-        except Exception as exc:  # any failure: the other ranks must learn it here, not at the job's next collective
-            failure = exc
+    done: tuple[Any, int, int] | None = None
+    try:
+        done = job.finish()  # at once if this rank loaded before the agreement
+    except Exception as exc:  # any failure: the other ranks must learn it here, not at the job's next collective
+        failure = exc
     try:
         reports = group.all_gather_json(None if failure is None else report_error(failure), step=step)
     except DistributedCheckpointError:

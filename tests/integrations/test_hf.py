@@ -8,8 +8,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import logging
 import shutil
+import threading
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingA
 import tiersave
 from tiersave.integrations.hf import TiersaveTrainer, retention_for
 from tiersave.storage.memory import shm_base
+from tiersave.storage.posix import LocalStorage
+from tiersave.testing.faults import FaultyStorage
 from tiersave.tiers import Tier
 
 pytestmark = pytest.mark.timeout(180)
@@ -153,9 +158,12 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, mem_uri, ref
     resumed.checkpointer.close()
 
 
-def scored_run(tmp_path: Path, scores: dict[int, float], **overrides: Any) -> tuple[Any, dict[int, Any]]:
-    """A run whose evaluation score (higher is better) at each step is scripted, keeping 1 checkpoint plus
-    the best and loading the best at the end; also the weights at each save, as the Trainer saw them."""
+def scored_trainer(
+    tmp_path: Path, scores: dict[int, float], *, checkpointer: Any = None, callbacks: Any = (), **overrides: Any
+) -> tuple[Any, dict[int, Any]]:
+    """A Trainer whose evaluation score (higher is better) at each step is scripted, keeping 1 checkpoint plus
+    the best and loading the best at the end; also the weights at each save, as the Trainer saw them.
+    ``checkpointer``: a function of the Trainer's arguments making its Checkpointer (default: a root path)."""
     holder: dict[str, Any] = {}
 
     def compute_metrics(_pred: Any) -> dict[str, float]:
@@ -171,7 +179,7 @@ def scored_run(tmp_path: Path, scores: dict[int, float], **overrides: Any) -> tu
         tmp_path / "out",
         eval_strategy="steps",
         eval_steps=2,
-        save_total_limit=1,
+        save_total_limit=None if checkpointer is not None else 1,
         metric_for_best_model="score",
         greater_is_better=True,
         load_best_model_at_end=True,
@@ -183,11 +191,17 @@ def scored_run(tmp_path: Path, scores: dict[int, float], **overrides: Any) -> tu
         train_dataset=Tokens(SAMPLES, 7),
         eval_dataset=Tokens(8, 3),
         compute_metrics=compute_metrics,
-        callbacks=[Snapshot()],
-        checkpointer=tmp_path / "ckpt",
+        callbacks=[Snapshot(), *callbacks],
+        checkpointer=checkpointer(args) if checkpointer is not None else tmp_path / "ckpt",
     )
     holder["trainer"] = trainer
-    trainer.train()  # loads the Trainer's best at the end: it must still be stored
+    return trainer, seen
+
+
+def scored_run(tmp_path: Path, scores: dict[int, float], **overrides: Any) -> tuple[Any, dict[int, Any]]:
+    """:func:`scored_trainer`, trained (which loads the Trainer's best at the end: it must still be stored)."""
+    trainer, seen = scored_trainer(tmp_path, scores, **overrides)
+    trainer.train()
     return trainer, seen
 
 
@@ -255,3 +269,66 @@ def test_the_best_the_trainer_names_survives_a_better_score_at_a_step_between_sa
     assert [c.step for c in ckpt.list()] == [4, 12]  # the Trainer's best and the newest
     assert all(torch.equal(v, seen[4][k]) for k, v in trainer.model.state_dict().items())
     ckpt.close()
+
+
+def test_a_best_save_that_on_busy_skip_skipped_is_not_named_best(tmp_path, caplog):
+    """With ``on_busy="skip"``, the save of a new best step can be skipped while the previous save is still being
+    written: nothing of it is stored, so the Trainer must not name it best (``load_best_model_at_end`` would
+    then look for a step that was never saved); its best stays the save it named before, said once in the log."""
+    scores = {2: 0.1, 4: 0.9, 6: 0.3, 8: 0.5, 10: 0.2, 12: 0.4}  # 4 is the best score, and its save is skipped
+    gate = threading.Event()  # the save of step 2 is held until step 5 ends: step 4's save finds it in flight
+
+    class OpenAt5(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 5:
+                gate.set()
+
+    def gated(args: TrainingArguments) -> tiersave.Checkpointer:
+        storage = FaultyStorage(LocalStorage(tmp_path / "ckpt"), gates={"finish": gate})
+        return tiersave.Checkpointer(tiers=[Tier(storage, keep=retention_for(args, keep_last=1))], on_busy="skip")
+
+    trainer, _ = scored_trainer(tmp_path, scores, checkpointer=gated, callbacks=[OpenAt5()])
+    ckpt = trainer.checkpointer
+    try:
+        with (
+            caplog.at_level(logging.DEBUG, logger="tiersave.integrations.hf"),
+            pytest.warns(tiersave.TiersaveWarning, match="skipping the save of step 4"),
+        ):
+            trainer.train()  # loads the Trainer's best at the end: a step that was never saved would fail here
+    finally:
+        gate.set()
+    assert trainer.state.best_global_step == 4 and trainer.state.best_metric == 0.9  # the Trainer's score
+    assert trainer.state.best_model_checkpoint == "tiersave:step=2"  # but its best checkpoint is a saved one
+    assert trainer.skipped_best_saves == 1
+    assert 4 not in ckpt.catalog.steps() and 2 in ckpt.catalog.steps()  # retention kept the Trainer's best
+    assert "best" in ckpt.info(2).tags
+    said = [r for r in caplog.records if "a new best by eval_score, was skipped" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
+    assert "the Trainer's best stays tiersave:step=2" in said[0].getMessage()
+    ckpt.close()
+
+
+def test_train_loads_the_best_and_returns_once_the_saves_are_committed_though_a_drain_goes_on(tmp_path):
+    """``train()`` waits for the last save to be durable, and ``load_best_model_at_end`` for the best step to be;
+    a drain to a later tier that outlasts the wait is said (a warning naming the save committed and the drain),
+    not raised as a save that did not finish."""
+    gate = threading.Event()  # the drains to "slow" never finish while the Trainer runs
+
+    def two_tiers(args: TrainingArguments) -> tiersave.Checkpointer:
+        slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+        fast = Tier(tmp_path / "fast", name="fast", keep=retention_for(args, keep_last=1))
+        return tiersave.Checkpointer(tiers=[fast, Tier(slow, name="slow")], exit_timeout_s=0.5)
+
+    scores = {2: 0.1, 4: 0.9, 6: 0.3, 8: 0.5, 10: 0.2, 12: 0.4}
+    trainer, seen = scored_trainer(tmp_path, scores, checkpointer=two_tiers)
+    try:
+        with warnings.catch_warnings(record=True) as said:  # also: tier slow cannot keep up
+            warnings.simplefilter("always")
+            trainer.train()  # loads the best (step 4) at the end, then waits for the last save
+    finally:
+        gate.set()
+    (message,) = [str(w.message) for w in said if "is committed in" in str(w.message)]
+    assert "the save of step 12 is committed in" in message and "the drain to tier slow" in message, message
+    assert "not visible" not in message, message
+    assert all(torch.equal(v, seen[4][k]) for k, v in trainer.model.state_dict().items())  # the best, loaded
+    trainer.checkpointer.close()

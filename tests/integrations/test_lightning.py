@@ -5,6 +5,7 @@ pointer names, and what the pickle-free format cannot hold fails naming its key.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import tiersave  # noqa: E402
 from tiersave.integrations.lightning import TiersaveCheckpointIO, read_pointer  # noqa: E402
+from tiersave.storage.posix import LocalStorage  # noqa: E402
+from tiersave.testing.faults import FaultyStorage  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -169,3 +172,81 @@ def test_a_pointer_removed_before_its_write_ran_never_appears(tmp_path):
     io.teardown()
     assert read_pointer(target) == 9
     io.close()
+
+
+class GatedPointers(TiersaveCheckpointIO):
+    """The real plugin, whose pointer writes wait for a gate before they start (a slow or stuck local disk)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+
+    def _write_pointer(self, target: Path, step: int, handle: tiersave.SaveHandle) -> None:
+        assert self.gate.wait(60), "the test never opened the gate"
+        super()._write_pointer(target, step, handle)
+
+
+def test_a_flush_that_times_out_keeps_the_pointer_writes_for_the_next_flush(tmp_path):
+    io = GatedPointers(tiersave.Checkpointer(tmp_path / "root", handle_sigterm=False), timeout_s=0.3)
+    first, second = tmp_path / "ckpt" / "a.ckpt", tmp_path / "ckpt" / "last.ckpt"
+    try:
+        io.save_checkpoint({"global_step": 4, "w": torch.rand(64)}, first)
+        io.save_checkpoint({"global_step": 4, "w": torch.rand(64)}, second)  # same step: a second pointer
+        with pytest.raises(tiersave.SaveTimeoutError, match="pointer of step 4") as timed_out:
+            io.flush()
+        # The writes are still pending: a later flush must not report them done (it used to return at once).
+        with pytest.raises(tiersave.SaveTimeoutError, match="pointer of step 4"):
+            io.flush()
+        assert not first.exists() and not second.exists()
+        assert "2 pointer write(s) still pending, which the next flush() or teardown() waits for" in str(
+            timed_out.value
+        )
+        threading.Timer(0.1, io.gate.set).start()
+        io.timeout_s = 30.0
+        io.teardown()  # waits for both pointers
+        assert read_pointer(first) == 4 and read_pointer(second) == 4
+        assert io._jobs == []
+    finally:
+        io.gate.set()
+        io.close()
+
+
+def test_a_pointer_whose_save_commits_too_late_is_reported(tmp_path):
+    """The pointer's write gives up after ``timeout_s`` waiting for its save's commit: that is an error the next
+    flush raises, not a pointer silently missing."""
+    gate = threading.Event()
+    storage = FaultyStorage(LocalStorage(tmp_path / "root"), gates={"finish": gate})
+    io = TiersaveCheckpointIO(tiersave.Checkpointer(storage, handle_sigterm=False), timeout_s=0.3)
+    target = tmp_path / "ckpt" / "a.ckpt"
+    try:
+        io.save_checkpoint({"global_step": 2, "w": torch.rand(64)}, target)
+        with pytest.raises(tiersave.SaveTimeoutError, match="did not finish within"):
+            io.flush()
+        gate.set()
+        io.timeout_s = 30.0
+        with pytest.raises(tiersave.StorageError, match=r"pointer .*a\.ckpt for step 2: its save had not committed"):
+            io.flush()
+        assert not target.exists()
+    finally:
+        gate.set()
+        io.close()
+
+
+def test_a_flush_timed_out_by_a_drain_names_the_save_committed(tmp_path):
+    gate = threading.Event()
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    tiers = [tiersave.Tier(tmp_path / "fast", name="fast"), tiersave.Tier(slow, name="slow")]
+    io = TiersaveCheckpointIO(tiersave.Checkpointer(tiers=tiers, handle_sigterm=False), timeout_s=0.3)
+    target = tmp_path / "ckpt" / "a.ckpt"
+    try:
+        io.save_checkpoint({"global_step": 3, "w": torch.rand(64)}, target)
+        with pytest.raises(tiersave.SaveTimeoutError) as timed_out:
+            io.flush()
+        message = str(timed_out.value)
+        assert "the save of step 3 is committed in" in message and "the drain to tier slow" in message, message
+        assert "not visible" not in message, message
+    finally:
+        gate.set()
+        io.timeout_s = 30.0
+        io.close()
+    assert read_pointer(target) == 3

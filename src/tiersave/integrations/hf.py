@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import warnings
@@ -47,7 +48,14 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
 from tiersave import Checkpointer, RNGState, Tier
-from tiersave.errors import CheckpointNotFoundError, ConfigError, SaveTimeoutError, StateMismatchError
+from tiersave._lifecycle import after_timeout
+from tiersave.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    SaveTimeoutError,
+    StateMismatchError,
+    TiersaveWarning,
+)
 from tiersave.policy import CheckpointLike, KeepAny, KeepLast, RetentionPolicy
 
 __all__ = ["TiersaveTrainer", "TrainerBest", "best_metric_name", "retention_for"]
@@ -55,6 +63,8 @@ __all__ = ["TiersaveTrainer", "TrainerBest", "best_metric_name", "retention_for"
 _MARKER = "tiersave:step="
 """Prefix of the ``resume_from_checkpoint`` value handed to the Trainer's loop, and of
 ``TrainerState.best_model_checkpoint``: a tiersave step, not a directory."""
+
+log = logging.getLogger(__name__)
 
 _KEYS = ("model", "optimizer", "lr_scheduler", "scaler", "rng", "trainer_state")
 
@@ -160,6 +170,8 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
             self.checkpointer = Checkpointer(tiers=[Tier(checkpointer, keep=retention_for(self.args))])
         self._tiersave_resume: int | None = None
         self._tiersave_loaded: dict[str, Any] | None = None
+        self.skipped_best_saves = 0
+        """Saves of a new best step that ``on_busy="skip"`` skipped: the Trainer's best stayed the one before."""
 
     # -- entry point ------------------------------------------------------------------------------
 
@@ -214,10 +226,13 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
         finally:
             self._tiersave_resume = None
             self._tiersave_loaded = None
-        if not self.checkpointer.wait(self.checkpointer.exit_timeout_s):
-            raise SaveTimeoutError(
-                f"the last checkpoint save did not finish within {self.checkpointer.exit_timeout_s:.0f} s"
-            )
+        timeout = self.checkpointer.exit_timeout_s
+        if not self.checkpointer.wait(timeout):
+            committed, words = after_timeout(self.checkpointer, f"within {timeout:g} s")
+            if not committed:
+                raise SaveTimeoutError(words)
+            # Durable already: only a drain or retention goes on (the exit hook waits for it again).
+            warnings.warn(f"tiersave: {words}", TiersaveWarning, stacklevel=2)
         return output
 
     def _check_supported(self) -> None:
@@ -337,9 +352,11 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
             super()._load_best_model()
             return
         step = int(best.removeprefix(_MARKER))
-        # The best checkpoint may be the save still being written.
-        if not self.checkpointer.wait(self.checkpointer.exit_timeout_s):
-            raise SaveTimeoutError(f"the save of the best step {step} did not finish in time to load it")
+        # The best checkpoint may be the save still being written; once committed, it loads (drains may go on).
+        timeout = self.checkpointer.exit_timeout_s
+        if not self.checkpointer.wait(timeout) and not self._holds(best):
+            words = after_timeout(self.checkpointer, f"within {timeout:g} s")[1]
+            raise SaveTimeoutError(f"cannot load the best step {step}: {words}")
         self.checkpointer.restore(step, into={"model": self.model}, strict=False)
 
     # -- save -------------------------------------------------------------------------------------
@@ -349,7 +366,8 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
             raise ConfigError("TiersaveTrainer does not support hyper-parameter search")
         self.store_flos()
         step = self.state.global_step
-        if self.state.best_global_step == step:
+        best, previous_best = self.state.best_global_step == step, self.state.best_model_checkpoint
+        if best:  # what this save's trainer state records, and what the Trainer loads at the end if it is saved
             self.state.best_model_checkpoint = f"{_MARKER}{step}"
         # Exportable callbacks' state goes into the trainer state, as the Trainer does before writing it.
         stateful: Any = self.state.stateful_callbacks  # a dict by name once training started
@@ -370,12 +388,32 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
             state["scaler"] = scaler
-        self.checkpointer.save_async(
+        handle = self.checkpointer.save_async(
             step,
             state,
             metrics=_eval_metrics(self.state.log_history, step),
-            tags=("best",) if self.state.best_global_step == step else (),
+            tags=("best",) if best else (),
             metadata={"writer": "tiersave.integrations.hf", "transformers": transformers.__version__},
+        )
+        if best and handle.skipped:
+            self._best_not_saved(step, previous_best)
+
+    def _best_not_saved(self, step: int, previous_best: str | None) -> None:
+        """``on_busy="skip"`` skipped the save of a new best step: nothing of it is stored, so the Trainer's
+        best stays the save it named before (what ``load_best_model_at_end`` loads, what retention keeps), as
+        when a best score falls between two saves."""
+        self.state.best_model_checkpoint = previous_best
+        self.skipped_best_saves += 1
+        level = logging.WARNING if self.skipped_best_saves == 1 else logging.DEBUG  # said once, then counted
+        log.log(
+            level,
+            "the save of step %d, a new best by %s, was skipped (the checkpointer's on_busy='skip': the previous "
+            "save was still being written); the Trainer's best stays %s (%d such skips so far, counted in "
+            "trainer.skipped_best_saves)",
+            step,
+            best_metric_name(self.args),
+            previous_best or "unset",
+            self.skipped_best_saves,
         )
 
 

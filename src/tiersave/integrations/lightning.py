@@ -35,6 +35,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -44,6 +45,7 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from tiersave import Checkpointer, RNGState, SaveHandle
+from tiersave._lifecycle import after_timeout
 from tiersave.errors import CheckpointNotFoundError, ConfigError, FormatError, SaveTimeoutError, StorageError
 from tiersave.policy import CheckpointLike
 
@@ -226,26 +228,34 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         """Wait until every save and pointer write so far is done.
 
         Raises:
-            SaveTimeoutError: not done within ``timeout_s``.
-            TiersaveError: a save failed.
+            SaveTimeoutError: not done within ``timeout_s``; what is not done stays pending, and the next
+                ``flush()`` (or ``teardown()``, ``close()``, a load) waits for it again.
+            TiersaveError: a save or a pointer write failed.
         """
         # Checkpointer.wait would re-raise a save that failed synchronously, already raised to Lightning.
         if not self.checkpointer.wait(self.timeout_s, raise_errors=False):
-            raise SaveTimeoutError(f"a checkpoint save did not finish within {self.timeout_s:.0f} s")
+            raise self._timed_out()
         for handle in list(self._handles.values()):
             err = handle.exception() if handle.failed() else None
             if err is not None:
                 self._handles = {}
                 raise err
         with self._lock:
-            jobs, self._jobs = self._jobs, []
-        for step, job in jobs:
-            try:
-                job.result(self.timeout_s)
-            except FutureTimeout:
-                raise SaveTimeoutError(
-                    f"the pointer of step {step} was not written in {self.timeout_s:.0f} s"
-                ) from None
+            jobs = list(self._jobs)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            for step, job in jobs:
+                try:
+                    job.result(max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    raise SaveTimeoutError(
+                        f"the pointer of step {step} was not written within {self.timeout_s:.0f} s; "
+                        f"{sum(not j.done() for _, j in jobs)} pointer write(s) still pending, which the next "
+                        "flush() or teardown() waits for"
+                    ) from None
+        finally:  # only what is written leaves the list: a pending write is waited for by the next flush
+            with self._lock:
+                self._jobs = [(step, job) for step, job in self._jobs if not job.done()]
         self._raise_error()
 
     # -- pointers ----------------------------------------------------------------------------------
@@ -270,7 +280,9 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
     def _write_pointer(self, target: Path, step: int, handle: SaveHandle) -> None:
         try:
-            if not handle.wait(self.timeout_s) or handle.failed():
+            if not handle.wait(self.timeout_s):
+                raise SaveTimeoutError(f"its save had not committed after {self.timeout_s:.0f} s")
+            if handle.failed():
                 return  # the save's own error reaches the caller through the checkpointer
             with self._lock:  # held while writing: a removal waits for this pointer, then removes it
                 self._write_pointer_locked(target, step)
@@ -309,6 +321,10 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if replaced is not None and replaced != step:
             self._unreferenced.add(replaced)
 
+    def _timed_out(self) -> SaveTimeoutError:
+        """The checkpointer's wait timed out: what did not finish (a save, or a committed save's drain)."""
+        return SaveTimeoutError(after_timeout(self.checkpointer, f"within {self.timeout_s:g} s")[1])
+
     def _raise_error(self) -> None:
         err, self._error = self._error, None
         if err is not None:
@@ -320,7 +336,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if not candidates:
             return
         if wait and not self.checkpointer.wait(self.timeout_s, raise_errors=False):
-            raise SaveTimeoutError(f"a checkpoint save did not finish within {self.timeout_s:.0f} s")
+            raise self._timed_out()
         with self._lock:
             named = {step for step, job in self._jobs if not job.done()}
             dirs = list(self._dirs)

@@ -1,0 +1,135 @@
+"""What ``close()``, ``wait()`` and the exit hook say when their bounded wait times out: a save that did not
+commit is "not visible"; a committed save whose follow-up (a drain to a later tier, the removal of deleted
+checkpoints' files) did not finish is named committed, with the follow-up that did not finish."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from test_reclaim import GatedRemovals
+
+import tiersave
+from tiersave.storage.posix import LocalStorage
+from tiersave.testing.faults import FaultyStorage
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(4096, dtype=torch.float32)}
+
+
+def _close_warning(ckpt: tiersave.Checkpointer, timeout: float) -> str:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ckpt.close(timeout=timeout) is False
+    (warning,) = [w for w in caught if issubclass(w.category, tiersave.TiersaveWarning)]
+    return str(warning.message)
+
+
+def test_a_committed_save_whose_drain_is_stuck_is_named_committed(tmp_path: Path) -> None:
+    gate = threading.Event()
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    tiers = [tiersave.Tier(tmp_path / "fast", name="fast"), tiersave.Tier(slow, name="slow")]
+    ckpt = tiersave.Checkpointer(tiers=tiers, event_log=False, handle_sigterm=False)
+    try:
+        handle = ckpt.save(1, _state())  # committed on the first tier; its drain to "slow" waits at the gate
+        assert handle.done() and not handle.failed()
+        assert ckpt.wait(timeout=0.2) is False
+        message = _close_warning(ckpt, 0.2)
+    finally:
+        gate.set()
+    assert "the save of step 1 is committed in" in message, message
+    assert "its follow-up did not finish before close: the drain to tier slow" in message, message
+    assert "not visible" not in message and "previous one" not in message, message
+    with tiersave.Checkpointer(tmp_path / "fast", handle_sigterm=False) as again:
+        assert again.catalog.steps() == [1]  # what the message says: step 1 is there
+        assert torch.equal(again.restore(1)["w"], _state()["w"])
+
+
+def test_a_committed_save_whose_removals_are_stuck_is_named_committed(tmp_path: Path) -> None:
+    storage = GatedRemovals(tmp_path)
+    ckpt = tiersave.Checkpointer(storage, keep_last=1, event_log=False, handle_sigterm=False)
+    try:
+        ckpt.save(1, _state())
+        ckpt.save(2, _state())  # retention renames step 1 away; the removal of its files waits at the gate
+        message = _close_warning(ckpt, 0.2)
+    finally:
+        storage.gate.set()
+    assert "the save of step 2 is committed in" in message, message
+    assert "the removal of deleted checkpoints' files" in message, message
+    assert "drain" not in message and "not visible" not in message, message
+
+
+def test_a_save_that_did_not_commit_keeps_the_not_visible_words(tmp_path: Path) -> None:
+    gate = threading.Event()
+    ckpt = tiersave.Checkpointer(
+        FaultyStorage(LocalStorage(tmp_path), gates={"finish": gate}), event_log=False, handle_sigterm=False
+    )
+    try:
+        handle = ckpt.save_async(3, _state())
+        message = _close_warning(ckpt, 0.2)
+        assert not handle.done()
+    finally:
+        gate.set()
+    assert "the save of step 3 did not finish before close; it is not visible" in message, message
+    assert "committed" not in message, message
+
+
+def test_wait_spends_its_timeout_once_in_all(tmp_path: Path) -> None:
+    """The save's wait and its follow-up's wait share one deadline (they used to get the whole timeout each)."""
+    gate = threading.Event()
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    fast = FaultyStorage(LocalStorage(tmp_path / "fast"), delays={"finish": 0.4})
+    tiers = [tiersave.Tier(fast, name="fast"), tiersave.Tier(slow, name="slow")]
+    ckpt = tiersave.Checkpointer(tiers=tiers, event_log=False, handle_sigterm=False)
+    try:
+        ckpt.save_async(1, _state())
+        started = time.monotonic()
+        assert ckpt.wait(timeout=1.0) is False
+        assert time.monotonic() - started < 1.35  # 1 s and a glance; the old wait took >= 1.4 s (0.4 s + 1 s)
+        assert ckpt._unfinished and ckpt._unfinished[0].startswith("the drain to tier slow"), ckpt._unfinished
+    finally:
+        gate.set()
+        ckpt.close()
+
+
+EXIT_WITH_A_SLOW_DRAIN = textwrap.dedent("""
+    import torch, tiersave
+    from tiersave.storage.posix import LocalStorage
+    from tiersave.testing.faults import FaultyStorage
+    slow = FaultyStorage(LocalStorage({slow!r}), delays={{"finish": 30.0}})
+    ckpt = tiersave.Checkpointer(
+        tiers=[tiersave.Tier({fast!r}, name="fast"), tiersave.Tier(slow, name="slow")], exit_timeout_s=1
+    )
+    ckpt.save(7, {{"w": torch.ones(1000)}})
+""")
+
+
+def test_the_exit_hook_names_a_committed_save_committed(tmp_path: Path) -> None:
+    body = EXIT_WITH_A_SLOW_DRAIN.format(fast=str(tmp_path / "fast"), slow=str(tmp_path / "slow"))
+    script = tmp_path / "script.py"
+    script.write_text(body)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "tiersave: the save of step 7 is committed in" in out.stderr, out.stderr
+    assert "its follow-up did not finish within 1 s: the drain to tier slow" in out.stderr, out.stderr
+    assert "not visible" not in out.stderr, out.stderr
+    with tiersave.Checkpointer(tmp_path / "fast", handle_sigterm=False) as ckpt:
+        assert ckpt.catalog.steps() == [7]
+
+
+@pytest.mark.parametrize("timeout", [0.0, 0.1])
+def test_wait_names_nothing_once_everything_finished(tmp_path: Path, timeout: float) -> None:
+    """An idle follow-up is not reported unfinished, even by a wait with no time left (it gets a glance)."""
+    with tiersave.Checkpointer(tmp_path, keep_last=1, event_log=False, handle_sigterm=False) as ckpt:
+        ckpt.save(1, _state())
+        ckpt.save(2, _state())
+        assert ckpt.wait(timeout=60)
+        assert ckpt.wait(timeout=timeout) and ckpt._unfinished == []
