@@ -234,6 +234,11 @@ def plot(cases: list[Case], path: str, note: str) -> None:
     plt.close(fig)
 
 
+def write_samples(path: str, cases: list[Case]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({c.label: {"tensors": c.count, **c.samples} for c in cases}, f, indent=1)
+
+
 def fmt(seconds: float) -> str:
     return f"{seconds * 1e3:9.1f} ms" if seconds < 10 else f"{seconds:9.2f} s "
 
@@ -296,8 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"(CPU {case.median('restore.into.cpu') / n * 1e6:.1f})"
                 )
             if args.json:
-                with open(args.json, "w", encoding="utf-8") as f:
-                    json.dump({c.label: {"tensors": c.count, **c.samples} for c in cases}, f, indent=1)
+                write_samples(args.json, cases)
             by_label = {c.label: c for c in cases}
             if args.moe_mb:
                 moe, few = by_label[f"moe-{args.expert_mib}MiB"], by_label["few-large"]
@@ -370,8 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"restore {moe.median('restore') / few.median('restore'):.2f}x"
             )
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({c.label: {"tensors": c.count, **c.samples} for c in cases}, f, indent=1)
+            write_samples(args.json, cases)
         if args.profile:
             profile(cases[len(small) - 1] if small else cases[0], args.profile, args.top)
         for case in cases:
