@@ -20,11 +20,12 @@ Usage::
 
 ``--nested`` replaces the flat dicts by a model's dict and its Adam state dict (a weight, ``step``, ``exp_avg``,
 ``exp_avg_sq`` per parameter: about ``--counts`` tensors in all, counted as saved).
-``--restore-only`` measures only restores, into a new tree and into a live state (in place); with
+``--restore-only`` measures only restores, into a new tree and into a live state (in place), wall and the process's
+CPU time (its threads' included: the steadier figure on a loaded machine); with
 ``--moe-mb`` it compares the MoE-like state with the same bytes in a few tensors, as the MoE restore target
 asks. ``--async-only`` measures only the ``save_async`` stall and its split (layout: flatten or the check against
 the previous save's layout, and the plan / copies / the rest), next to the same save with its layout made afresh
-(``TIERSAVE_REUSE_LAYOUT=0``), interleaved run by run. ``--profile save|async|restore``
+(``TIERSAVE_REUSE_LAYOUT=0``), interleaved run by run. ``--profile save|async|restore|restore-into``
 runs cProfile on one extra operation of the largest count and prints the functions with the most own time.
 """
 
@@ -105,8 +106,10 @@ class Case:
 
     def run_once(self, async_only: bool = False, restore_only: bool = False) -> None:
         if restore_only:
-            self.record("restore", self._restore())
-            self.record("restore.into", self._restore(into=True))
+            for method, into in (("restore", False), ("restore.into", True)):
+                wall, cpu = self._restore(into=into)
+                self.record(method, wall)
+                self.record(f"{method}.cpu", cpu)
             return
         if not async_only:
             self.step += 1
@@ -124,7 +127,7 @@ class Case:
                 del os.environ["TIERSAVE_REUSE_LAYOUT"]
             return
 
-        self.record("restore", self._restore())
+        self.record("restore", self._restore()[0])
 
         t0 = time.perf_counter()
         torch.save(self.state, self.torch_file)
@@ -157,14 +160,16 @@ class Case:
         self.record(f"{method}.rest", max(0.0, blocked - st.flatten_s - st.stage_s))
         handle.result(timeout=600)
 
-    def _restore(self, into: bool = False) -> float:
+    def _restore(self, into: bool = False) -> tuple[float, float]:
+        """One restore by a fresh ``Checkpointer``: (wall seconds, the process's CPU seconds, its threads' too)."""
         reader = tiersave.Checkpointer(self.ckpt_dir, event_log=False, handle_sigterm=False)
         if into and self.live is None:
             self.live = {k: torch.empty_like(v) for k, v in self.state.items()}
         try:
-            t0 = time.perf_counter()
+            gc.collect()  # each restore pays for its own garbage, not for the previous operation's
+            c0, t0 = time.process_time(), time.perf_counter()
             reader.restore(self.step, into=self.live if into else None)
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.process_time() - c0
         finally:
             reader.close()
 
@@ -181,6 +186,9 @@ def profile(case: Case, what: str, top: int) -> None:
         "async": lambda: case.ck.save_async(case.step + 1, case.state),
         "restore": lambda: tiersave.Checkpointer(case.ckpt_dir, event_log=False, handle_sigterm=False).restore(
             case.step
+        ),
+        "restore-into": lambda: tiersave.Checkpointer(case.ckpt_dir, event_log=False, handle_sigterm=False).restore(
+            case.step, into={k: torch.empty_like(v) for k, v in case.state.items()}
         ),
     }
     prof = cProfile.Profile()
@@ -226,6 +234,11 @@ def plot(cases: list[Case], path: str, note: str) -> None:
     plt.close(fig)
 
 
+def write_samples(path: str, cases: list[Case]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({c.label: {"tensors": c.count, **c.samples} for c in cases}, f, indent=1)
+
+
 def fmt(seconds: float) -> str:
     return f"{seconds * 1e3:9.1f} ms" if seconds < 10 else f"{seconds:9.2f} s "
 
@@ -244,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--json", default=None, help="write the samples to this file")
     p.add_argument("--plot", default=None, help="write a PNG of time per tensor against the count of 1 KiB tensors")
-    p.add_argument("--profile", choices=["save", "async", "restore"], default=None)
+    p.add_argument("--profile", choices=["save", "async", "restore", "restore-into"], default=None)
     p.add_argument("--top", type=int, default=25)
     p.add_argument(
         "--async-only",
@@ -273,15 +286,22 @@ def main(argv: list[str] | None = None) -> int:
                 case.run_once(args.async_only, args.restore_only)
             print(f"run {r + 1}/{args.runs} done", file=sys.stderr)
         if args.restore_only:
+            print(f"load average {os.getloadavg()[0]:.1f} at the end; {os.cpu_count()} cpus", file=sys.stderr)
             for case in cases:
+                n = case.count
                 print(
                     f"{case.label}: restore {fmt(case.median('restore')).strip()}, into a live state "
                     f"{fmt(case.median('restore.into')).strip()} (runs: "
                     + ", ".join(
                         f"{a:.3f}/{b:.3f}" for a, b in zip(case.samples["restore"], case.samples["restore.into"])
                     )
-                    + ")"
+                    + f"); per tensor: new tree {case.median('restore') / n * 1e6:.1f} us "
+                    f"(CPU {case.median('restore.cpu') / n * 1e6:.1f}), live state "
+                    f"{case.median('restore.into') / n * 1e6:.1f} us "
+                    f"(CPU {case.median('restore.into.cpu') / n * 1e6:.1f})"
                 )
+            if args.json:
+                write_samples(args.json, cases)
             by_label = {c.label: c for c in cases}
             if args.moe_mb:
                 moe, few = by_label[f"moe-{args.expert_mib}MiB"], by_label["few-large"]
@@ -354,8 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"restore {moe.median('restore') / few.median('restore'):.2f}x"
             )
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({c.label: {"tensors": c.count, **c.samples} for c in cases}, f, indent=1)
+            write_samples(args.json, cases)
         if args.profile:
             profile(cases[len(small) - 1] if small else cases[0], args.profile, args.top)
         for case in cases:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, StateMismatchError
-from .state import _path_join, _Ref, _StatefulNode, is_stateful, torch_dtype
+from .state import _ARRAYS, _path_join, _Ref, _StatefulNode, is_stateful, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -188,10 +188,18 @@ def _into(
     if isinstance(saved, dict) and isinstance(live, dict):
         out = _like(saved)
         for k, v in saved.items():
-            if k in live:
-                sub = _into(v, live[k], _path_join(path, k), strict, shapes, report)
-                if sub is not _NOTHING:
-                    out[k] = sub
+            if k not in live:
+                continue
+            lv = live[k]
+            if type(v) is _Ref and isinstance(lv, _ARRAYS):  # a tensor's leaf (most of a state), inline
+                if strict or lv.shape == shapes[v.name]:
+                    out[k] = v
+                else:
+                    _mismatch(report, _path_join(path, k), shapes[v.name], tuple(lv.shape))
+                continue
+            sub = _into(v, lv, _path_join(path, k), strict, shapes, report)
+            if sub is not _NOTHING:
+                out[k] = sub
         if not strict:
             report.missing.extend(_path_join(path, k) for k in live if k not in saved)
         return out
@@ -260,7 +268,11 @@ def referenced(tree: Any) -> set[str]:
         elif isinstance(node, _StatefulNode):
             stack.append(node.state)
         elif isinstance(node, dict):
-            stack.extend(node.values())
+            for value in node.values():  # a tensor's leaf (most of a state) without a trip through the stack
+                if type(value) is _Ref:
+                    names.add(value.name)
+                else:
+                    stack.append(value)
         elif isinstance(node, (list, tuple)):
             stack.extend(node)
     return names

@@ -14,12 +14,11 @@ the ranks agree once more after that load, so that a load failing on one rank fa
 (restore_agree.py).
 
 Anti-scope: the byte reads and checksums (engine/reader.py), matching a saved tree against a live state
-(state.py), which tiers exist and what they hold (tiers.py).
+(destinations.py) and rebuilding it (state.py), which tiers exist and what they hold (tiers.py).
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 import warnings
 from collections.abc import Sequence
@@ -33,6 +32,17 @@ import torch
 from . import replication, splitverify
 from .catalog import OpenCheckpoint
 from .collective import Collective, rank_view, shared_shards, view_part
+from .destinations import (
+    Target,
+    cpu_byte_view,
+    first_free,
+    fits,
+    fresh_tensor,
+    match_targets,
+    new_tensor,
+    readable_in_place,
+    span,
+)
 from .engine.reader import ReadRequest, verify_in_memory
 from .errors import (
     CheckpointNotFoundError,
@@ -45,26 +55,14 @@ from .errors import (
     TiersaveWarning,
 )
 from .format.jsonsafe import paused_gc
-from .format.layout import ALIGN
 from .partial import ALL, Loader, LoadReport, Selection, cast_hint, castable, referenced, select_into, select_keys
 from .restore_agree import agree_on_copy, finish_together
-from .state import (
-    Target,
-    apply_into,
-    as_bits,
-    decode_placeholders,
-    fill_tree,
-    fits,
-    match_targets,
-    ndarray_byte_view,
-    readable_in_place,
-    tensor_byte_view,
-    torch_dtype,
-)
+from .state import apply_into, as_bits, decode_placeholders, fill_tree, ndarray_byte_view, torch_dtype
 from .tiers import TierChain, TierRuntime
 
 if TYPE_CHECKING:  # pragma: no cover
     from .dist import CoordinationGroup, Json
+    from .format.manifest import TensorEntry
 
 
 @dataclass
@@ -375,8 +373,10 @@ class Restore:
         targets = match_targets(saved, self.into, strict=self.strict) if self.into is not None else {}
         requests: list[ReadRequest] = []
         dests: dict[str, torch.Tensor | np.ndarray] = {}
-        claimed = _Intervals()
-        in_place = 0
+        # The stored tensors that have live tensors to land in, and for each the live ones it could be read into
+        # in place (same dtype and shape, CPU, contiguous): which one it takes is decided for all of them at once.
+        placed: list[tuple[str, TensorEntry, list[Target]]] = []
+        usable: list[list[torch.Tensor | np.ndarray]] = []
         no_targets: list[Target] = []
         for name, entry in manifest.tensors.items():
             if wanted is not None and name not in wanted:
@@ -387,32 +387,34 @@ class Restore:
                 dests[name] = dest_t
                 requests.append(ReadRequest(entry, view))
                 continue
+            ready: list[torch.Tensor | np.ndarray] = []
             for t in candidates:
                 if fits(t.value, entry.dtype, entry.shape):
-                    continue
-                if casting and castable(t.value, entry.dtype, entry.shape):
+                    if readable_in_place(t.value):
+                        ready.append(t.value)
+                elif casting and castable(t.value, entry.dtype, entry.shape):
                     self.loaded.cast.append(t.path)
                 elif t.strict or tuple(t.value.shape) == entry.shape:  # a module's shapes: load_state_dict decides
                     raise StateMismatchError(
                         f"{t.path}: the live value is {_describe(t.value)} but step {manifest.step} holds "
                         f"{entry.dtype}{list(entry.shape)}{cast_hint(t.value, entry.dtype, entry.shape)}"
                     )
-            dest: torch.Tensor | np.ndarray | None = None
-            for t in candidates:
-                if fits(t.value, entry.dtype, entry.shape) and readable_in_place(t.value):
-                    span = _span(t.value)
-                    if span[1] > span[0] and claimed.overlaps(*span):
-                        continue  # memory already filled by another stored tensor (tied in the live model)
-                    claimed.add(*span)
-                    dest = t.value
-                    in_place += 1
-                    break
-            if dest is None:
+            placed.append((name, entry, candidates))
+            usable.append(ready)
+        # A live tensor whose memory another stored tensor already fills (tied in the live model) is copied into.
+        picks = first_free([[span(v) for v in values] for values in usable])
+        for (name, entry, candidates), values, pick in zip(placed, usable, picks):
+            if pick < 0:
                 pin = any(isinstance(t.value, torch.Tensor) and t.value.device.type == "cuda" for t in candidates)
-                dest = new_tensor(entry.shape, torch_dtype(entry.dtype), entry.nbytes, pin=pin)
+                dest: torch.Tensor | np.ndarray = new_tensor(
+                    entry.shape, torch_dtype(entry.dtype), entry.nbytes, pin=pin
+                )
+            else:
+                dest = values[pick]
             dests[name] = dest
-            view = ndarray_byte_view(dest) if isinstance(dest, np.ndarray) else tensor_byte_view(dest)
+            view = ndarray_byte_view(dest) if isinstance(dest, np.ndarray) else cpu_byte_view(dest)
             requests.append(ReadRequest(entry, view))
+        in_place = len(picks) - picks.count(-1)
         if self.node:
             self.split = splitverify.plan(self.ckpt, requests, self.rank, self.node)
         self.ckpt.read(requests, executor=pool)
@@ -463,57 +465,6 @@ class Restore:
             if value.dtype.is_floating_point and value.dtype != dtype:
                 values[name] = value.to(dtype)
                 self.loaded.cast.append(name)
-
-
-class _Intervals:
-    """Disjoint half-open byte ranges, with an O(log n) overlap test (a state has thousands of tensors)."""
-
-    def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-
-    def overlaps(self, start: int, end: int) -> bool:
-        i = bisect.bisect_right(self._starts, start)
-        if i > 0 and self._ends[i - 1] > start:
-            return True
-        return i < len(self._starts) and self._starts[i] < end
-
-    def add(self, start: int, end: int) -> None:
-        i = bisect.bisect_right(self._starts, start)
-        self._starts.insert(i, start)
-        self._ends.insert(i, end)
-
-
-_ALIGNED_MIN = 1 << 20
-
-
-def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> tuple[torch.Tensor, memoryview]:
-    """A new CPU tensor to restore into and a byte view of its memory (cheaper than :func:`new_tensor` plus
-    ``tensor_byte_view``: a restore of 10^5 small tensors makes 10^5 of them)."""
-    if nbytes >= _ALIGNED_MIN:
-        tensor = new_tensor(shape, dtype, nbytes)
-        return tensor, tensor_byte_view(tensor)
-    raw = torch.empty(nbytes, dtype=torch.uint8)
-    view = raw.numpy().data if nbytes else memoryview(b"")
-    return raw.view(dtype).view(shape), view
-
-
-def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, *, pin: bool = False) -> torch.Tensor:
-    """An uninitialized tensor to restore into; page-aligned when large, so direct I/O reads land in it
-    with no bounce copy (torch's own allocations start a few bytes past a page boundary)."""
-    if nbytes < _ALIGNED_MIN:
-        return torch.empty(shape, dtype=dtype, pin_memory=pin)
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    start = (-raw.data_ptr()) % ALIGN
-    return raw[start : start + nbytes].view(dtype).view(shape)
-
-
-def _span(value: torch.Tensor | np.ndarray) -> tuple[int, int]:
-    if isinstance(value, np.ndarray):
-        start = int(value.__array_interface__["data"][0])
-        return start, start + value.nbytes
-    start = value.data_ptr()
-    return start, start + value.numel() * value.element_size()
 
 
 def _copy_into(target: torch.Tensor | np.ndarray, src: torch.Tensor | np.ndarray) -> None:

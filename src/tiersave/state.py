@@ -1,9 +1,8 @@
 """Flatten a training state into tensors plus a JSON tree, and rebuild it (docs/format.md section 5).
 
-Scope: the mapping between Python/torch/numpy objects and the format's tree and tensor table; finding,
-for a restore into an existing state, which live tensors each stored tensor should land in; and applying
-a restored tree to that state (``load_state_dict``, in-place dict/list updates).
-Anti-scope: I/O, checksums, staging buffers.
+Scope: the mapping between Python/torch/numpy objects and the format's tree and tensor table, and applying
+a restored tree to a live state (``load_state_dict``, in-place dict/list updates).
+Anti-scope: I/O, checksums, staging buffers; which live tensor each stored tensor lands in (destinations.py).
 
 Supported values: dict (any hashable scalar keys), list, tuple, None, bool, int, float (incl. NaN/inf),
 str, bytes, torch tensors of every dtype with a byte view (non-contiguous, views, 0-d and empty ones
@@ -78,10 +77,16 @@ def tensor_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise UnsupportedStateError(f"this torch ({torch.__version__}) has no dtype {name!r}")
+    value = _TORCH_DTYPES.get(name)  # (once per stored tensor at a restore)
+    if value is None:
+        value = getattr(torch, name, None)
+        if not isinstance(value, torch.dtype):
+            raise UnsupportedStateError(f"this torch ({torch.__version__}) has no dtype {name!r}")
+        _TORCH_DTYPES[name] = value
     return value
+
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {}
 
 
 def is_stateful(obj: Any) -> bool:
@@ -93,6 +98,7 @@ def is_stateful(obj: Any) -> bool:
     )
 
 
+_ARRAYS = (torch.Tensor, np.ndarray)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -413,7 +419,7 @@ def flatten(state: Any) -> FlatState:
 # restore: plan destinations, then build the tree
 
 
-@dataclass
+@dataclass(slots=True)
 class _Ref:
     """Placeholder for a stored tensor while matching a saved tree against a live state."""
 
@@ -456,78 +462,6 @@ def decode_placeholders(tree: Any) -> Any:
     return T.TreeDecoder(_PlaceholderHooks()).decode(tree)
 
 
-@dataclass
-class Target:
-    """A live tensor (or array) a stored tensor should be restored into."""
-
-    value: torch.Tensor | np.ndarray
-    path: str
-    strict: bool  # True: a mismatch is an error; False (inside a stateful object): load_state_dict decides
-
-
-def match_targets(saved: Any, into: Any, *, strict: bool = True) -> dict[str, list[Target]]:
-    """Find, for each stored tensor name, the live tensors in ``into`` at the same place.
-
-    A stateful object in ``into`` is matched through its current ``state_dict()``, whose tensors alias
-    the live parameters and optimizer state, so the bytes land in place.
-
-    Raises:
-        StateMismatchError: ``into`` has keys the checkpoint lacks (when ``strict``).
-    """
-    targets: dict[str, list[Target]] = {}
-
-    def walk(s: Any, live: Any, path: str, in_stateful: bool) -> None:
-        if is_stateful(live):
-            walk(s.state if isinstance(s, _StatefulNode) else s, live.state_dict(), path, True)
-            return
-        if isinstance(s, _StatefulNode):
-            walk(s.state, live, path, in_stateful)
-            return
-        if isinstance(s, _Ref):
-            if isinstance(live, (torch.Tensor, np.ndarray)):
-                targets.setdefault(s.name, []).append(Target(live, path, not in_stateful))
-            return
-        if isinstance(s, dict) and isinstance(live, dict):
-            if strict and not in_stateful:
-                missing = [k for k in live if k not in s]
-                if missing:
-                    raise StateMismatchError(
-                        f"the checkpoint has no {', '.join(repr(_path_join(path, k)) for k in missing[:5])}"
-                        + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
-                        + "; pass strict=False to restore the rest"
-                    )
-            for k, v in s.items():
-                if k in live:
-                    walk(v, live[k], _path_join(path, k), in_stateful)
-            return
-        if isinstance(s, (list, tuple)) and isinstance(live, (list, tuple)):
-            for i, (sv, lv) in enumerate(zip(s, live)):
-                walk(sv, lv, _path_join(path, i), in_stateful)
-
-    walk(saved, into, "", False)
-    return targets
-
-
-def fits(target: torch.Tensor | np.ndarray, dtype: str, shape: tuple[int, ...]) -> bool:
-    if isinstance(target, torch.Tensor):
-        return str(target.dtype).removeprefix("torch.") == dtype and tuple(target.shape) == shape
-    return NUMPY_TO_NAME.get(target.dtype.name) == dtype and tuple(target.shape) == shape
-
-
-def readable_in_place(target: torch.Tensor | np.ndarray) -> bool:
-    """True when bytes can be read straight into ``target``'s memory."""
-    if isinstance(target, np.ndarray):
-        return bool(target.flags.c_contiguous and target.flags.writeable and target.dtype.byteorder in "=|<")
-    return (
-        target.device.type == "cpu"
-        and target.is_contiguous()
-        and not target.is_conj()
-        and not target.is_neg()
-        and target.layout == torch.strided
-        and not target.is_quantized
-    )
-
-
 def fill_tree(saved: Any, values: dict[str, Any]) -> Any:
     """Replace placeholders with restored values; stateful nodes become their plain state."""
     if isinstance(saved, _Ref):
@@ -542,7 +476,11 @@ def fill_tree(saved: Any, values: dict[str, Any]) -> Any:
     if isinstance(saved, dict):
         out = type(saved)() if type(saved) is not dict else {}
         for k, v in saved.items():
-            out[k] = fill_tree(v, values)
+            if type(v) is _Ref and v.kind == "tensor":  # a tensor's leaf (most of a state), inline
+                value = values[v.name]
+                out[k] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+            else:
+                out[k] = fill_tree(v, values)
         if hasattr(saved, "_metadata"):
             out._metadata = saved._metadata  # type: ignore[attr-defined]
         return out
@@ -583,7 +521,16 @@ def apply_into(
         return apply_into(saved.state, into, values, path, load)
     if isinstance(saved, dict) and isinstance(into, dict):
         for k, v in saved.items():
-            into[k] = apply_into(v, into[k], values, _path_join(path, k), load) if k in into else fill_tree(v, values)
+            if k not in into:
+                into[k] = fill_tree(v, values)
+                continue
+            live = into[k]
+            # a tensor's leaf (most of a state): filled in place (or copied into) already
+            into[k] = (
+                live
+                if type(v) is _Ref and isinstance(live, _ARRAYS)
+                else apply_into(v, live, values, _path_join(path, k), load)
+            )
         return into
     if isinstance(saved, list) and isinstance(into, list) and len(saved) == len(into):
         for i, v in enumerate(saved):

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("format", ("tiersave.format",)),
-    ("state", ("tiersave.state", "tiersave.reflatten", "tiersave.rng", "tiersave.partial")),
+    ("state", ("tiersave.state", "tiersave.reflatten", "tiersave.rng", "tiersave.partial", "tiersave.destinations")),
     ("storage", ("tiersave.storage",)),
     ("engine", ("tiersave.engine",)),
     ("planner", ("tiersave.planner",)),
