@@ -58,7 +58,8 @@ def match_targets(saved: Any, into: Any, *, strict: bool = True) -> dict[str, li
                 targets.setdefault(s.name, []).append(Target(live, path, not in_stateful))
             return
         if isinstance(s, dict) and isinstance(live, dict):
-            if strict and not in_stateful and not live.keys() <= s.keys():  # (a set comparison in C per dict)
+            # a set comparison in C per dict; dict.keys, not live.keys: a subclass may return a list
+            if strict and not in_stateful and not dict.keys(live) <= s.keys():
                 missing = [k for k in live if k not in s]
                 if missing:
                     raise StateMismatchError(
@@ -171,18 +172,18 @@ def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> tup
         tensor = new_tensor(shape, dtype, nbytes)
         return tensor, cpu_byte_view(tensor)
     if dtype is torch.complex32:  # torch.empty warns that it is experimental; a view of bytes does not
-        raw = torch.empty(nbytes, dtype=torch.uint8)
+        raw = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         return raw.view(dtype).view(shape), cpu_byte_view(raw)
-    tensor = torch.empty(shape, dtype=dtype)
+    tensor = torch.empty(shape, dtype=dtype, device="cpu")  # not the default device: the bytes are read here
     return tensor, cpu_byte_view(tensor)
 
 
 def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, *, pin: bool = False) -> torch.Tensor:
     """An uninitialized tensor to restore into; page-aligned when large, so direct I/O reads land in it
     with no bounce copy (torch's own allocations start a few bytes past a page boundary)."""
-    if nbytes < _ALIGNED_MIN:
-        return torch.empty(shape, dtype=dtype, pin_memory=pin)
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    if nbytes < _ALIGNED_MIN:  # device="cpu": a `with torch.device(...)` around the restore must not move it
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device="cpu", pin_memory=pin)
     start = (-raw.data_ptr()) % ALIGN
     return raw[start : start + nbytes].view(dtype).view(shape)
 
@@ -202,6 +203,8 @@ def cpu_byte_view(t: torch.Tensor) -> memoryview:
     The same view as ``tensor_byte_view`` at a sixth of its cost (a restore into a live state of 10^5 small
     tensors makes 10^5 of them): a ctypes array over the tensor's memory that holds the tensor, so the memory
     outlives every use of the view."""
+    if not t.is_cpu:  # a device pointer read as host memory would be written by the reader threads
+        raise TypeError(f"cpu_byte_view needs a CPU tensor, got one on {t.device}")
     nbytes = t.nbytes
     if not nbytes:
         return memoryview(b"")

@@ -106,3 +106,38 @@ def test_span_of_an_array():
     a = np.zeros(10, dtype=np.float32)
     start, end = span(a)
     assert end - start == 40 and start == a.__array_interface__["data"][0]
+
+
+def test_a_restore_under_another_default_device_still_reads_into_cpu_tensors(tmp_path):
+    # `with torch.device(...)` around model building is common; torch.empty follows it, and a meta (or CUDA)
+    # tensor's pointer handed to the reader threads as host memory crashed the process
+    import tiersave
+
+    state = {"small": torch.arange(6.0), "large": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MiB: aligned
+    with tiersave.Checkpointer(tmp_path / "ckpt") as ck:
+        ck.save(1, state)
+        with torch.device("meta"):
+            out = ck.restore(1)
+    for name, want in state.items():
+        assert out[name].device.type == "cpu" and torch.equal(out[name], want), name
+
+
+def test_cpu_byte_view_refuses_a_tensor_not_in_host_memory():
+    with pytest.raises(TypeError, match="CPU tensor"):
+        cpu_byte_view(torch.empty(4, device="meta"))
+
+
+def test_a_strict_restore_into_a_dict_subclass_with_its_own_keys(tmp_path):
+    import tiersave
+    from tiersave.errors import StateMismatchError
+
+    class Keys(dict):  # keys() returning a list, as some config/attribute dicts do
+        def keys(self):  # type: ignore[override]
+            return list(super().keys())
+
+    with tiersave.Checkpointer(tmp_path / "ckpt") as ck:
+        ck.save(1, {"a": torch.ones(2)})
+        out = ck.restore(1, into=Keys(a=torch.zeros(2)))
+        assert torch.equal(out["a"], torch.ones(2))
+        with pytest.raises(StateMismatchError, match="'b'"):
+            ck.restore(1, into=Keys(a=torch.zeros(2), b=torch.zeros(1)))
