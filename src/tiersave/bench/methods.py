@@ -155,31 +155,23 @@ class TiersaveMethod(Method):
 
 class TiersaveAsyncMethod(Method):
     """``Checkpointer.save_async`` with the auto policy: the time the caller was blocked, and the time until
-    the save is durable (``handle.result()``). With ``shared`` (the ``tiersave-auto`` method of the same run)
-    it saves through that method's Checkpointer, so the run holds one staging arena, not two; its restores
-    would be tiersave-auto's, so it loads nothing."""
+    the save is durable (``handle.result()``). It loads nothing: its restores would be ``tiersave-auto``'s."""
 
     name = "tiersave-async"
     family = "tiersave-async"
     load_variants: tuple[str, ...] = ()
-    _STEP_BASE = 1_000_000  # apart from the shared method's steps
 
-    def __init__(
-        self, *, shared: TiersaveMethod | None = None, io_threads: int | None = None, calibration: Any = None
-    ) -> None:
-        self.shared = shared
-        self.own = TiersaveMethod("auto", io_threads=io_threads, calibration=calibration) if shared is None else None
+    def __init__(self, *, io_threads: int | None = None, calibration: Any = None) -> None:
+        self.inner = TiersaveMethod("auto", io_threads=io_threads, calibration=calibration)
+        self.inner.name = self.name  # its own directory
 
     def prepare(self, root: Path) -> None:
-        if self.own is not None:
-            self.own.prepare(root)
-        owner = self.own if self.own is not None else self.shared
-        assert owner is not None
-        self.root, self.ckpt = owner.root, owner.ckpt
+        self.inner.prepare(root)
+        self.root = self.inner.root
 
     def save(self, index: int, state: State) -> SaveTiming:
         start = time.perf_counter()
-        handle = self.ckpt.save_async(self._STEP_BASE + index + 1, state)
+        handle = self.inner.ckpt.save_async(index + 1, state)
         blocked = time.perf_counter() - start
         handle.result(_WAIT_S)
         seconds = time.perf_counter() - start
@@ -189,8 +181,7 @@ class TiersaveAsyncMethod(Method):
         raise ConfigError("tiersave-async checkpoints are loaded by tiersave-auto")
 
     def close(self) -> None:
-        if self.own is not None:
-            self.own.close()
+        self.inner.close()
 
 
 def _io_delta(before: Any, after: Any) -> dict[str, Any]:

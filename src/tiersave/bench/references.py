@@ -8,8 +8,9 @@
   file and its directory ``fsync``-ed: the least a buffered checkpoint can do to be durable, so
   ``io="buffered"`` saves are held against it.
 
-The two copies share one buffer (``/dev/shm``, or ``TIERSAVE_SHM_DIR``), created at the first ``prepare`` and
-removed at ``close``; they report only a blocked time (nothing is durable, nothing is loaded).
+The two copies share one buffer: a file in ``/dev/shm`` (or ``TIERSAVE_SHM_DIR``), mapped at the first save and
+unlinked at once (nothing is left behind if the run is killed), unmapped at ``close``; they report only a
+blocked time (nothing is durable, nothing is loaded).
 
 Scope: these three timings. Anti-scope: tiersave and the checkpointing peers (:mod:`.methods`), running and
 reporting (:mod:`.runner`, :mod:`.report`).
@@ -39,7 +40,6 @@ class SharedBuffer:
 
     def __init__(self) -> None:
         self._mm: mmap.mmap | None = None
-        self._path: Path | None = None
         self._views: list[torch.Tensor] = []
         self._users = 0
 
@@ -59,8 +59,8 @@ class SharedBuffer:
             fd, name = tempfile.mkstemp(dir=directory, prefix="tiersave-bench-shm-")
         except OSError as exc:
             raise ConfigError(f"benchmark: cannot create the shared-memory buffer in {directory}: {exc}") from exc
-        self._path = Path(name)
         try:
+            os.unlink(name)  # the mapping keeps the memory; nothing is left behind if the run is killed
             try:
                 os.posix_fallocate(fd, 0, max(nbytes, 1))
             except OSError as exc:
@@ -89,9 +89,6 @@ class SharedBuffer:
             except BufferError:  # a view still exported: the mapping goes when the process does
                 pass
             self._mm = None
-        if self._path is not None:
-            self._path.unlink(missing_ok=True)
-            self._path = None
 
 
 class _CopyMethod(Method):

@@ -151,11 +151,15 @@ def _check_resources(config: BenchConfig, spec: StateSpec) -> None:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return
-    need_mem = 3 * spec.nbytes  # the state, the twin to load into, one loaded copy
+    # the first phase holds the state, the twin to load into and one loaded copy; the second the state, a
+    # staging arena, DCP's staging copy and the copy yardsticks' shared-memory buffer
+    need_mem = 3 * spec.nbytes
     what = "state, load target, one loaded copy"
-    if {"memcpy", "dlrover-shm"} & set(config.peers):
-        need_mem += spec.nbytes
-        what += ", the copy yardsticks' shared-memory buffer"
+    copies = 1 + ("async" in config.io_modes) + ("dcp-async" in config.peers)
+    copies += bool({"memcpy", "dlrover-shm"} & set(config.peers))
+    if copies > 3:
+        need_mem = copies * spec.nbytes
+        what = "state, staging arena, DCP's async copy and the shared-memory buffer of the stall phase"
     if avail and avail < need_mem:
         raise ConfigError(
             f"the benchmark holds about {need_mem / 1e9:.1f} GB in memory ({what}); "
@@ -205,55 +209,30 @@ def _sole_run(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _run(config: BenchConfig, progress: ProgressFn | None, created: bool) -> BenchResult:
-    from ..storage.posix.calibration import Calibration, calibration_for
-    from .methods import Method, TiersaveAsyncMethod, TiersaveMethod, make_peer
-    from .references import REFERENCES, SharedBuffer, make_reference
-    from .workload import build_state, empty_like_state
+_STALL_PEERS = ("dcp-async", "memcpy", "dlrover-shm")
+"""The peers timed in the second phase, with ``tiersave-async``: the stalls of saves that return early."""
 
-    started = time.perf_counter()
+
+def _phase(
+    config: BenchConfig,
+    methods: list[Any],
+    state: dict[str, Any],
+    template: dict[str, Any],
+    results: dict[str, MethodResult],
+    raws: list[RawResult],
+    tick: Callable[[str], None],
+    *,
+    raw: bool = True,
+) -> str:
+    """Run ``methods`` (and the raw device, with ``raw``) for the warm-up and timed rounds, the order rotated
+    every round; close them at the end. Returns how the page cache was evicted."""
     directory = config.directory
-    spec = gpt_like_spec(config.model, config.size_bytes)
-    _check_resources(config, spec)
-    notes: list[str] = []
-    fstype = filesystem_type(directory)
-    machine = _machine(directory)
-
-    cal: Calibration | None = None
-    if "auto" in config.io_modes or "async" in config.io_modes:
-        cal = calibration_for(directory, fstype, refresh=config.recalibrate)
-        if cal is None:
-            notes.append("no calibration (O_DIRECT refused or disabled): auto uses its defaults")
-    methods: list[Method] = [
-        TiersaveMethod(m, io_threads=config.io_threads, calibration=cal) for m in config.io_modes if m != "async"
-    ]
-    if "async" in config.io_modes:
-        auto = next((m for m in methods if m.name == "tiersave-auto"), None)
-        shared = auto if isinstance(auto, TiersaveMethod) else None
-        methods.append(TiersaveAsyncMethod(shared=shared, io_threads=config.io_threads, calibration=cal))
-    buffer = SharedBuffer()
-    methods += [make_reference(p, buffer) if p in REFERENCES else make_peer(p) for p in config.peers]
-    steps_per_round = (1 if config.raw else 0) + sum(1 + len(m.load_variants) for m in methods)
-    rounds = config.warmup + config.checkpoints
-    total = steps_per_round * rounds + (2 if config.ranks > 0 else 0) + 1
-    done = 0
-
-    def tick(label: str) -> None:
-        nonlocal done
-        if progress is not None:
-            progress(done, total, label)
-        done += 1
-
-    tick("building the state")
-    state = build_state(spec, seed=config.seed)
-    template = empty_like_state(spec)
-    results = {m.name: MethodResult(m.name, m.family) for m in methods}
-    raws: list[RawResult] = []
     eviction = "fadvise"
     try:
         for m in methods:
             m.prepare(directory)
-        order: list[Method | None] = ([None] if config.raw else []) + list(methods)
+        order: list[Any] = ([None] if raw and config.raw else []) + list(methods)
+        rounds = config.warmup + config.checkpoints
         for rnd in range(rounds):
             timed = rnd >= config.warmup
             what = f"round {rnd - config.warmup + 1}" if timed else f"warm-up {rnd + 1}"
@@ -261,9 +240,9 @@ def _run(config: BenchConfig, progress: ProgressFn | None, created: bool) -> Ben
             for item in order[k:] + order[:k]:
                 if item is None:
                     tick(f"{what}: raw device write and read")
-                    raw = measure_raw(directory, spec.nbytes, drop_caches=config.drop_caches)
+                    measured = measure_raw(directory, _nbytes(state), drop_caches=config.drop_caches)
                     if timed:
-                        raws.append(raw)
+                        raws.append(measured)
                     continue
                 res = results[item.name]
                 tick(f"{what}: {item.name} save")
@@ -287,6 +266,70 @@ def _run(config: BenchConfig, progress: ProgressFn | None, created: bool) -> Ben
     finally:
         for m in methods:
             m.close()
+    return eviction
+
+
+def _nbytes(state: dict[str, Any]) -> int:
+    return sum(int(t.nbytes) for t in state.values())
+
+
+def _run(config: BenchConfig, progress: ProgressFn | None, created: bool) -> BenchResult:
+    from ..storage.posix.calibration import Calibration, calibration_for
+    from .methods import Method, TiersaveAsyncMethod, TiersaveMethod, make_peer
+    from .references import REFERENCES, SharedBuffer, make_reference
+    from .workload import build_state, empty_like_state
+
+    started = time.perf_counter()
+    directory = config.directory
+    spec = gpt_like_spec(config.model, config.size_bytes)
+    _check_resources(config, spec)
+    notes: list[str] = []
+    fstype = filesystem_type(directory)
+    machine = _machine(directory)
+
+    cal: Calibration | None = None
+    if "auto" in config.io_modes or "async" in config.io_modes:
+        cal = calibration_for(directory, fstype, refresh=config.recalibrate)
+        if cal is None:
+            notes.append("no calibration (O_DIRECT refused or disabled): auto uses its defaults")
+    # Two phases, each interleaved in itself, so that the run fits in memory (a 3 GB state on 24 GB): the
+    # saves until durable and the loads (the state, its load-into twin, a loaded copy, a staging arena per
+    # tiersave mode), then the stalls (save_async, dcp.async_save, the copies into shared memory), which need
+    # the state, one arena, DCP's staging copy and the shared-memory buffer but no twin.
+    durable: list[Method] = [
+        TiersaveMethod(m, io_threads=config.io_threads, calibration=cal) for m in config.io_modes if m != "async"
+    ]
+    stalls: list[Method] = []
+    if "async" in config.io_modes:
+        stalls.append(TiersaveAsyncMethod(io_threads=config.io_threads, calibration=cal))
+    buffer = SharedBuffer()
+    for p in config.peers:
+        method = make_reference(p, buffer) if p in REFERENCES else make_peer(p)
+        (stalls if p in _STALL_PEERS else durable).append(method)
+    methods = durable + stalls
+    rounds = config.warmup + config.checkpoints
+    steps = (1 if config.raw else 0) + sum(1 + len(m.load_variants) for m in durable)
+    steps = steps * rounds + (len(stalls) * rounds if stalls else 0)
+    total = steps + (2 if config.ranks > 0 else 0) + 1
+    done = 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        if progress is not None:
+            progress(done, total, label)
+        done += 1
+
+    tick("building the state")
+    state = build_state(spec, seed=config.seed)
+    results = {m.name: MethodResult(m.name, m.family) for m in methods}
+    raws: list[RawResult] = []
+    eviction = "fadvise"
+    if durable or config.raw:
+        template = empty_like_state(spec)
+        eviction = _phase(config, durable, state, template, results, raws, tick)
+        del template
+    if stalls:
+        eviction = _phase(config, stalls, state, {}, results, [], tick, raw=False)
     ranks_result = None
     if config.ranks > 0:
         tick(f"{config.ranks} ranks: tiersave save")
