@@ -57,6 +57,9 @@ import torch
 import tiersave
 from tiersave.bench.workload import build_state, gpt_like_spec
 
+sys.path.insert(0, str(Path(__file__).parent))
+from async_save import fsync_dir_tree
+
 METHODS = ("no checkpoint", "tiersave save_async", "tiersave lazy", "DCP async_save", "torch.save thread")
 TARGET = 0.10  # issue 16: loop overhead <= +10%
 BLOCKED = ("blocked_s", "blocked_previous_s", "blocked_call_s", "blocked_hook_s")
@@ -83,17 +86,6 @@ class DeviceStep(torch.optim.Optimizer):
             return
         for t, idx, ones in zip(self.tensors, self.points, self.ones):
             t.view(-1).index_add_(0, idx, ones)
-
-
-def fsync_tree(path: Path) -> None:
-    """fsync every file under ``path`` (DCP's writer does not; a durable end is the fair end)."""
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
 
 class Method:
@@ -206,8 +198,8 @@ class DcpAsync(Method):
         if self.future is not None:
             self.future.result()
             self.future = None
-        for d in self.dirs:
-            fsync_tree(d)
+        for d in self.dirs:  # DCP's writer does not fsync: a durable end is the fair end
+            fsync_dir_tree(str(d))
 
     def read(self, step: int, names: list[str]) -> dict[str, torch.Tensor]:
         import torch.distributed.checkpoint as dcp
