@@ -408,10 +408,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32, help="steps per loop (default 32)")
     p.add_argument("--every", type=int, default=8, help="a checkpoint every this many steps (default 8)")
     p.add_argument(
-        "--step-s", type=float, default=0.5, help="seconds the host waits for the accelerator per step (default 0.5)"
+        "--step-s",
+        type=float,
+        default=0.5,
+        help="seconds the host waits per step for the accelerator's forward and backward, a sleep (default 0.5)",
     )
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions, at least 3 for a median (default 3)")
-    p.add_argument("--write", choices=("touch", "full"), default="touch", help="what the optimizer step writes")
+    p.add_argument(
+        "--write",
+        choices=("touch", "full"),
+        default="touch",
+        help="touch (default): +1 on 3 elements of each tensor, a device step as its host sees it; full: +1 on every "
+        "element on this CPU, the contention of a CPU-only trainer (not the issue's setting)",
+    )
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="methods to run")
     p.add_argument("--dir", default=None, help="work directory on the disk to test (default: a temp dir here)")
     p.add_argument("--json", default=None, help="write the results to this file")
