@@ -18,6 +18,10 @@ Usage::
 
     .venv/bin/python benchmarks/async_save.py --state-mb 1024 --json benchmarks/results/async_save.json
 
+The training loop here runs on this CPU, so on a shared host it measures the CPU contention of a CPU-only
+trainer and swings with the load; the loop overhead of issue 16's setting (an accelerator job, whose host
+waits for the device each step) is benchmarks/loop_overhead.py's.
+
 The state is a GPT-like dict of fp32 tensors (model + two Adam moments). Results go to stdout as a table
 and, with --json, to a file. Ratios are what to compare across machines; absolute times drift.
 """
