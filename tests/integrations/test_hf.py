@@ -319,8 +319,15 @@ def test_train_loads_the_best_and_returns_once_the_saves_are_committed_though_a_
         fast = Tier(tmp_path / "fast", name="fast", keep=retention_for(args, keep_last=1))
         return tiersave.Checkpointer(tiers=[fast, Tier(slow, name="slow")], exit_timeout_s=0.5)
 
+    class WaitCommit(TrainerCallback):  # each save commits on "fast" before training goes on: only drains wait
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            inflight = holder["trainer"].checkpointer._inflight
+            assert inflight is not None and inflight.wait(60), "the save did not commit within 60 s"
+
+    holder: dict[str, Any] = {}
     scores = {2: 0.1, 4: 0.9, 6: 0.3, 8: 0.5, 10: 0.2, 12: 0.4}
-    trainer, seen = scored_trainer(tmp_path, scores, checkpointer=two_tiers)
+    trainer, seen = scored_trainer(tmp_path, scores, checkpointer=two_tiers, callbacks=[WaitCommit()])
+    holder["trainer"] = trainer
     try:
         with warnings.catch_warnings(record=True) as said:  # also: tier slow cannot keep up
             warnings.simplefilter("always")

@@ -187,11 +187,12 @@ class GatedPointers(TiersaveCheckpointIO):
 
 
 def test_a_flush_that_times_out_keeps_the_pointer_writes_for_the_next_flush(tmp_path):
-    io = GatedPointers(tiersave.Checkpointer(tmp_path / "root", handle_sigterm=False), timeout_s=0.3)
+    io = GatedPointers(tiersave.Checkpointer(tmp_path / "root", handle_sigterm=False), timeout_s=1.0)
     first, second = tmp_path / "ckpt" / "a.ckpt", tmp_path / "ckpt" / "last.ckpt"
     try:
         io.save_checkpoint({"global_step": 4, "w": torch.rand(64)}, first)
         io.save_checkpoint({"global_step": 4, "w": torch.rand(64)}, second)  # same step: a second pointer
+        assert io.checkpointer.wait(60)  # committed: only the pointer writes (held at the gate) can time out
         with pytest.raises(tiersave.SaveTimeoutError, match="pointer of step 4") as timed_out:
             io.flush()
         # The writes are still pending: a later flush must not report them done (it used to return at once).
@@ -201,8 +202,8 @@ def test_a_flush_that_times_out_keeps_the_pointer_writes_for_the_next_flush(tmp_
         assert "2 pointer write(s) still pending, which the next flush() or teardown() waits for" in str(
             timed_out.value
         )
-        threading.Timer(0.1, io.gate.set).start()
-        io.timeout_s = 30.0
+        io.gate.set()
+        io.timeout_s = 60.0
         io.teardown()  # waits for both pointers
         assert read_pointer(first) == 4 and read_pointer(second) == 4
         assert io._jobs == []
@@ -240,6 +241,7 @@ def test_a_flush_timed_out_by_a_drain_names_the_save_committed(tmp_path):
     target = tmp_path / "ckpt" / "a.ckpt"
     try:
         io.save_checkpoint({"global_step": 3, "w": torch.rand(64)}, target)
+        assert io._handles[3].wait(60)  # committed on "fast": only the drain (held at the gate) can time out
         with pytest.raises(tiersave.SaveTimeoutError) as timed_out:
             io.flush()
         message = str(timed_out.value)
@@ -247,6 +249,6 @@ def test_a_flush_timed_out_by_a_drain_names_the_save_committed(tmp_path):
         assert "not visible" not in message, message
     finally:
         gate.set()
-        io.timeout_s = 30.0
+        io.timeout_s = 60.0
         io.close()
     assert read_pointer(target) == 3
