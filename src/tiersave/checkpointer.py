@@ -163,7 +163,7 @@ class Checkpointer:
         self._roots = RootLocks(lambda: (t.storage for t in self._chain.tiers), enabled=writer_lock and not self._rank)
         self._last: SaveHandle | None = None
         self._inflight: SaveHandle | None = None
-        self._unfinished: builtins.list[str] = []  # what the last wait() that timed out left, named
+        self._last_wait: _lifecycle.WaitOutcome | None = None  # what the last wait() found when it ended
         self._closed = False
         self.skipped_saves = 0
         self.last_restore: RestoreReport | None = None
@@ -176,8 +176,9 @@ class Checkpointer:
         threads and the staging memory. Idempotent.
 
         Returns:
-            True if nothing was left unfinished. A warning names what was: a save that did not commit (it is
-            not visible; the previous checkpoint stays the newest), or a committed save's follow-up.
+            True if nothing was left unfinished. A warning names what was: a save that had not committed
+            (closing does not stop it: it becomes visible only if it commits; until then the previous
+            checkpoint stays the newest), or a committed save's follow-up.
 
         Raises:
             SaveError: the last save failed in the background and nobody observed its error.
@@ -195,7 +196,7 @@ class Checkpointer:
             self._roots.release()
             _raise_unobserved(self._last)
         else:
-            _warn_unfinished(self._inflight, self._unfinished, self.storage.uri)
+            _warn_unfinished(self._last_wait, self.storage.uri)
         return finished
 
     def __enter__(self) -> Checkpointer:
@@ -229,8 +230,8 @@ class Checkpointer:
         pending = self._inflight
         if pending is None:
             return True
-        self._unfinished = _lifecycle.wait_for(pending, _follow_ups(self._committer, self._chain), timeout)
-        if self._unfinished:
+        self._last_wait = _lifecycle.wait_for(pending, _follow_ups(self._committer, self._chain), timeout)
+        if self._last_wait.unfinished:
             return False
         if raise_errors:
             err = pending.exception()
@@ -501,8 +502,8 @@ def _raise_unobserved(last: SaveHandle | None) -> None:
         raise SaveError(f"the save of step {last.step} failed and nobody observed it: {err}") from err
 
 
-def _warn_unfinished(pending: SaveHandle | None, unfinished: Sequence[str], uri: str) -> None:
-    message = _lifecycle.unfinished_message(pending, unfinished, uri, "before close")
+def _warn_unfinished(outcome: _lifecycle.WaitOutcome | None, uri: str) -> None:
+    message = _lifecycle.unfinished_message(outcome, uri, "before close")
     warnings.warn(f"tiersave: {message}", TiersaveWarning, stacklevel=3)
 
 

@@ -70,7 +70,9 @@ def test_a_committed_save_whose_removals_are_stuck_is_named_committed(tmp_path: 
     assert "drain" not in message and "not visible" not in message, message
 
 
-def test_a_save_that_did_not_commit_keeps_the_not_visible_words(tmp_path: Path) -> None:
+def test_close_says_an_uncommitted_save_goes_on_and_the_words_stay_true_once_it_commits(tmp_path: Path) -> None:
+    """close() does not stop a commit already running: its words must not call the save lost, since it
+    becomes visible when it commits (the old words said "it is not visible")."""
     gate = threading.Event()
     ckpt = tiersave.Checkpointer(
         FaultyStorage(LocalStorage(tmp_path), gates={"finish": gate}), event_log=False, handle_sigterm=False
@@ -81,8 +83,52 @@ def test_a_save_that_did_not_commit_keeps_the_not_visible_words(tmp_path: Path) 
         assert not handle.done()
     finally:
         gate.set()
-    assert "the save of step 3 did not finish before close; it is not visible" in message, message
-    assert "committed" not in message, message
+    assert "the save of step 3 had not committed before close; it goes on in the background and becomes " in message
+    assert "visible only if it commits (until then the newest checkpoint in" in message, message
+    assert "is committed" not in message and "is not visible" not in message, message
+    assert handle.wait(60) and not handle.failed()  # what the words allowed: it committed after all
+    with tiersave.Checkpointer(tmp_path, handle_sigterm=False) as again:
+        assert again.catalog.steps() == [3]
+
+
+class _SaveCommittingJustAfterTheDeadline:
+    """A save whose commit lands right after its wait timed out, before the words about that wait are built."""
+
+    step = 5
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waited = True
+        return False
+
+    def done(self) -> bool:
+        return self.waited  # committed as soon as the wait has given up
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def _unobserved_error(self) -> BaseException | None:
+        return None
+
+    def _peek_error(self) -> BaseException | None:
+        return None
+
+
+def test_the_words_come_from_one_snapshot_taken_when_the_wait_ended() -> None:
+    """A commit landing between the timeout and the message used to give "the save of step 5 is committed ...;
+    its follow-up did not finish ...: the save of step 5"."""
+    outcome = _lifecycle.wait_for(_SaveCommittingJustAfterTheDeadline(), [], 0.1)
+    assert not outcome.done and not outcome.committed
+    message = _lifecycle.unfinished_message(outcome, "/root", "within 0 s")
+    assert message.startswith("the save of step 5 had not committed within 0 s; it goes on in the background")
+    assert "is committed" not in message, message
+    at_exit = _lifecycle.unfinished_message(outcome, "/root", "within 0 s", at_exit=True)
+    assert at_exit == (
+        "the save of step 5 did not finish within 0 s; it is not visible (the newest checkpoint in /root is the "
+        "previous one)"
+    )
 
 
 class _Clock:
@@ -114,6 +160,9 @@ class _SaveCommittingAfter:
     def _unobserved_error(self) -> BaseException | None:
         return None
 
+    def _peek_error(self) -> BaseException | None:
+        return None
+
 
 class _StuckQueue(Executor):
     """A follow-up queue whose work never runs out: every look at it spends all the time it is given."""
@@ -141,8 +190,8 @@ def test_wait_spends_its_timeout_once_in_all(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(_lifecycle, "time", clock)
     monkeypatch.setattr(_futures, "time", clock)
     first, second = _StuckQueue(clock), _StuckQueue(clock)
-    unfinished = _lifecycle.wait_for(_SaveCommittingAfter(clock, 0.4), [("a", first), ("b", second)], 1.0)
-    assert unfinished == ["a", "b"]
+    outcome = _lifecycle.wait_for(_SaveCommittingAfter(clock, 0.4), [("a", first), ("b", second)], 1.0)
+    assert outcome.unfinished == ("a", "b")
     assert first.looks == [pytest.approx(0.6)]  # what the commit left of the 1 s, not another whole second
     assert second.looks == [_futures._GLANCE_S]  # the deadline has passed: a glance only
     assert clock.now - 1000.0 == pytest.approx(1.0 + _futures._GLANCE_S)
@@ -185,4 +234,4 @@ def test_wait_names_nothing_once_everything_finished(
         ckpt.save(1, _state())
         ckpt.save(2, _state())
         assert ckpt.wait(timeout=60)
-        assert ckpt.wait(timeout=timeout) and ckpt._unfinished == []
+        assert ckpt.wait(timeout=timeout) and ckpt._last_wait is not None and ckpt._last_wait.unfinished == ()
