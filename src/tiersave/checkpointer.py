@@ -225,19 +225,17 @@ class Checkpointer:
             False if ``timeout`` seconds passed first.
 
         Raises:
-            TiersaveError: the last save failed (when ``raise_errors``); the error counts as observed.
+            TiersaveError: the last save failed (when ``raise_errors``), as itself, even when an earlier save's
+                follow-up is still running; the error counts as observed.
         """
         pending = self._inflight
         if pending is None:
             return True
         self._last_wait = _lifecycle.wait_for(pending, _follow_ups(self._committer, self._chain), timeout)
-        if self._last_wait.unfinished:
-            return False
-        if raise_errors:
-            err = pending.exception()
-            if err is not None:
-                raise err
-        return True
+        if raise_errors and self._last_wait.error is not None:  # as itself, even if earlier drains are slow
+            pending.exception()  # now observed: close() and the exit hook do not report it again
+            raise self._last_wait.error
+        return not self._last_wait.unfinished
 
     def _exit_state(self) -> _lifecycle.ExitState | None:
         """What the exit hook needs to finish or report the in-flight save; None once closed."""

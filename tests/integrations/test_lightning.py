@@ -4,6 +4,7 @@ pointer names, and what the pickle-free format cannot hold fails naming its key.
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
 from pathlib import Path
@@ -18,7 +19,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 import tiersave  # noqa: E402
 from tiersave.integrations.lightning import TiersaveCheckpointIO, read_pointer  # noqa: E402
 from tiersave.storage.posix import LocalStorage  # noqa: E402
-from tiersave.testing.faults import FaultyStorage  # noqa: E402
+from tiersave.testing.faults import Fault, FaultyStorage  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -254,3 +255,23 @@ def test_a_flush_timed_out_by_a_drain_names_the_save_committed(tmp_path):
         io.timeout_s = 60.0
         io.close()
     assert read_pointer(target) == 3
+
+
+def test_a_failed_save_is_raised_as_itself_by_flush_while_a_drain_is_slow(tmp_path):
+    gate = threading.Event()
+    no_space = Fault("finish", nth=2, error=lambda: OSError(errno.ENOSPC, "No space left on device"))
+    fast = FaultyStorage(LocalStorage(tmp_path / "fast"), [no_space])
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    tiers = [tiersave.Tier(fast, name="fast"), tiersave.Tier(slow, name="slow")]
+    io = TiersaveCheckpointIO(tiersave.Checkpointer(tiers=tiers, handle_sigterm=False), timeout_s=0.3)
+    try:
+        io.save_checkpoint({"global_step": 1, "w": torch.rand(64)}, tmp_path / "ckpt" / "a.ckpt")
+        assert io._handles[1].wait(60)  # committed; its drain to "slow" waits at the gate
+        io.save_checkpoint({"global_step": 2, "w": torch.rand(64)}, tmp_path / "ckpt" / "b.ckpt")
+        assert io._handles[2].wait(60) and io._handles[2].failed()
+        with pytest.raises(tiersave.NoSpaceError, match="No space left"):  # not SaveTimeoutError("...FAILED...")
+            io.flush()
+    finally:
+        gate.set()
+        io.timeout_s = 60.0
+        io.close()

@@ -4,6 +4,7 @@ checkpoints' files) did not finish is named committed, with the follow-up that d
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ from test_reclaim import GatedRemovals
 import tiersave
 from tiersave import _futures, _lifecycle
 from tiersave.storage.posix import LocalStorage
-from tiersave.testing.faults import FaultyStorage
+from tiersave.testing.faults import Fault, FaultyStorage
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -235,3 +236,27 @@ def test_wait_names_nothing_once_everything_finished(
         ckpt.save(2, _state())
         assert ckpt.wait(timeout=60)
         assert ckpt.wait(timeout=timeout) and ckpt._last_wait is not None and ckpt._last_wait.unfinished == ()
+
+
+def test_a_failed_save_is_raised_as_itself_while_an_earlier_drain_is_still_running(tmp_path: Path) -> None:
+    """The last save fails (no space) while the drain of an earlier one is held: wait() used to return False
+    before looking at the error, and the integrations then raised SaveTimeoutError("... FAILED ...") instead,
+    losing the error's type and cause."""
+    gate = threading.Event()
+    no_space = Fault("finish", nth=2, error=lambda: OSError(errno.ENOSPC, "No space left on device"))
+    fast = FaultyStorage(LocalStorage(tmp_path / "fast"), [no_space])
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    tiers = [tiersave.Tier(fast, name="fast"), tiersave.Tier(slow, name="slow")]
+    ckpt = tiersave.Checkpointer(tiers=tiers, event_log=False, handle_sigterm=False)
+    try:
+        ckpt.save(1, _state())  # committed; its drain to "slow" waits at the gate
+        handle = ckpt.save_async(2, _state())
+        assert handle.wait(60) and handle.failed()
+        with pytest.raises(tiersave.NoSpaceError, match="No space left") as raised:
+            ckpt.wait(timeout=0.2)
+        assert raised.value is handle._peek_error()  # the save's own error object, its cause kept
+        assert ckpt._last_wait is not None and ckpt._last_wait.unfinished  # the drain is indeed still held
+        assert handle._unobserved_error() is None  # raised once: close() does not raise it again
+    finally:
+        gate.set()
+        ckpt.close()

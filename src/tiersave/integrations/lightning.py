@@ -233,13 +233,14 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             TiersaveError: a save or a pointer write failed.
         """
         # Checkpointer.wait would re-raise a save that failed synchronously, already raised to Lightning.
-        if not self.checkpointer.wait(self.timeout_s, raise_errors=False):
-            raise self._timed_out()
-        for handle in list(self._handles.values()):
+        finished = self.checkpointer.wait(self.timeout_s, raise_errors=False)
+        for handle in list(self._handles.values()):  # a failed save raises as itself, before any slow drain
             err = handle.exception() if handle.failed() else None
             if err is not None:
                 self._handles = {}
                 raise err
+        if not finished:
+            raise self._timed_out()
         with self._lock:
             jobs = list(self._jobs)
         deadline = time.monotonic() + self.timeout_s
