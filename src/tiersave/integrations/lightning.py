@@ -36,8 +36,9 @@ import re
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
@@ -46,13 +47,22 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from tiersave import Checkpointer, RNGState, SaveHandle
 from tiersave._lifecycle import after_timeout
-from tiersave.errors import CheckpointNotFoundError, ConfigError, FormatError, SaveTimeoutError, StorageError
+from tiersave.engine.pool import DaemonThreadPool
+from tiersave.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    FormatError,
+    SaveTimeoutError,
+    StorageError,
+    TiersaveWarning,
+)
 from tiersave.policy import CheckpointLike
 
 __all__ = ["POINTER_FORMAT", "TiersaveCheckpointIO", "read_pointer"]
 
 POINTER_FORMAT = "tiersave-lightning-pointer"
 _METRIC_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-/]{0,127}$")  # what save(metrics=...) accepts
+_POLL_S = 0.25  # how often a pointer write waiting for its commit looks whether the plugin was closed
 RNG_KEY = "tiersave_rng"
 """Key under which the global RNG states (Python, numpy, torch, CUDA) are stored next to Lightning's dict:
 Lightning does not save them, and the next epoch's shuffling and dropout depend on them."""
@@ -104,8 +114,9 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             decides what is kept), or a root path/URI to make one.
         rng: also store the global RNG states and restore them on load, which an exact resume needs
             (Lightning's dict has none).
-        timeout_s: the longest a wait for a save may take (teardown, a load right after a save);
-            default the checkpointer's ``exit_timeout_s``.
+        timeout_s: the longest ``flush()`` (teardown, a load right after a save) waits, in all, for the
+            saves and their pointers; default the checkpointer's ``exit_timeout_s``. A pointer whose save
+            commits later is still written: only ``close()`` gives it up.
 
     Raises:
         ConfigError: the checkpointer has a ``keep_last`` retention.
@@ -137,8 +148,9 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self._unwritten: dict[Path, int] = {}  # pointers queued and not yet written: pending writes per path
         self._removed: set[Path] = set()  # pointers Lightning removed before their queued write ran
         self._dirs: set[str] = set()  # directories holding our pointers
-        self._error: BaseException | None = None
-        self._writer: ThreadPoolExecutor | None = None
+        self._errors: list[BaseException] = []  # pointer writes that failed, raised by the next call
+        self._closing = threading.Event()  # set by close(): pointer writes still waiting give up
+        self._writer: DaemonThreadPool | None = None  # daemon: a write waiting for a commit never delays exit
 
     # -- CheckpointIO contract ---------------------------------------------------------------------
 
@@ -218,20 +230,34 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             self._writer = None
 
     def close(self) -> None:
-        """``teardown()``, then close the checkpointer."""
+        """``teardown()``, then close the checkpointer. A pointer whose save had not committed by then is not
+        written (a warning names it): its save goes on in the background and is restorable by its step."""
         try:
             self.teardown()
         finally:
+            self._closing.set()
+            with self._lock:
+                left = sorted({step for step, job in self._jobs if not job.done()})
+            if left:
+                warnings.warn(
+                    f"tiersave: the .ckpt pointers of step(s) {left} were not written: TiersaveCheckpointIO was "
+                    "closed before their saves committed (a save that commits later is stored, restorable by "
+                    f"its step from {self.checkpointer.storage.uri})",
+                    TiersaveWarning,
+                    stacklevel=2,
+                )
             self.checkpointer.close(self.timeout_s)
 
     def flush(self) -> None:
-        """Wait until every save and pointer write so far is done.
+        """Wait until every save and pointer write so far is done, ``timeout_s`` in all.
 
         Raises:
-            SaveTimeoutError: not done within ``timeout_s``; what is not done stays pending, and the next
-                ``flush()`` (or ``teardown()``, ``close()``, a load) waits for it again.
+            SaveTimeoutError: not done within ``timeout_s``; what is not done stays pending (a pointer is
+                written once its save commits), and the next ``flush()`` (or ``teardown()``, ``close()``, a
+                load) waits for it again.
             TiersaveError: a save or a pointer write failed.
         """
+        deadline = time.monotonic() + self.timeout_s  # one deadline for the saves and the pointers
         # Checkpointer.wait would re-raise a save that failed synchronously, already raised to Lightning.
         finished = self.checkpointer.wait(self.timeout_s, raise_errors=False)
         for handle in list(self._handles.values()):  # a failed save raises as itself, before any slow drain
@@ -243,7 +269,6 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             raise self._timed_out()
         with self._lock:
             jobs = list(self._jobs)
-        deadline = time.monotonic() + self.timeout_s
         try:
             for step, job in jobs:
                 try:
@@ -270,7 +295,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
     def _point(self, target: Path, step: int, handle: SaveHandle) -> None:
         if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="tiersave-lightning-pointer")
+            self._writer = DaemonThreadPool(1, "tiersave-lightning-pointer")
         with self._lock:
             self._unwritten[target] = self._unwritten.get(target, 0) + 1
             self._removed.discard(target)  # saved again under the same name: the newest pointer stands
@@ -281,14 +306,20 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
     def _write_pointer(self, target: Path, step: int, handle: SaveHandle) -> None:
         try:
-            if not handle.wait(self.timeout_s):
-                raise SaveTimeoutError(f"its save had not committed after {self.timeout_s:.0f} s")
+            # However long the commit takes (a large model on slow storage), a good save gets its pointer;
+            # only close() gives up (and says so), since nothing would then write it.
+            while not handle.wait(_POLL_S):
+                if self._closing.is_set():
+                    return
             if handle.failed():
                 return  # the save's own error reaches the caller through the checkpointer
             with self._lock:  # held while writing: a removal waits for this pointer, then removes it
                 self._write_pointer_locked(target, step)
         except BaseException as exc:
-            self._error = StorageError(f"could not write the checkpoint pointer {target} for step {step}: {exc}")
+            with self._lock:
+                self._errors.append(
+                    StorageError(f"could not write the checkpoint pointer {target} for step {step}: {exc}")
+                )
         finally:
             with self._lock:
                 left = self._unwritten.pop(target, 1) - 1
@@ -327,9 +358,12 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         return SaveTimeoutError(after_timeout(self.checkpointer, f"within {self.timeout_s:g} s")[1])
 
     def _raise_error(self) -> None:
-        err, self._error = self._error, None
-        if err is not None:
-            raise err
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise StorageError("; ".join(str(e) for e in errors)) from errors[0]
 
     def _delete_unreferenced(self, *, wait: bool) -> None:
         with self._lock:
