@@ -328,6 +328,14 @@ def test_train_loads_the_best_and_returns_once_the_saves_are_committed_though_a_
     scores = {2: 0.1, 4: 0.9, 6: 0.3, 8: 0.5, 10: 0.2, 12: 0.4}
     trainer, seen = scored_trainer(tmp_path, scores, checkpointer=two_tiers, callbacks=[WaitCommit()])
     holder["trainer"] = trainer
+    waits: list[float | None] = []
+    real_wait = trainer.checkpointer.wait
+
+    def spy(timeout: float | None = None, **kwargs: Any) -> bool:
+        waits.append(timeout)
+        return real_wait(timeout, **kwargs)
+
+    trainer.checkpointer.wait = spy  # the real wait, its timeouts recorded
     try:
         with warnings.catch_warnings(record=True) as said:  # also: tier slow cannot keep up
             warnings.simplefilter("always")
@@ -338,4 +346,29 @@ def test_train_loads_the_best_and_returns_once_the_saves_are_committed_though_a_
     assert "the save of step 12 is committed in" in message and "the drain to tier slow" in message, message
     assert "not visible" not in message, message
     assert all(torch.equal(v, seen[4][k]) for k, v in trainer.model.state_dict().items())  # the best, loaded
+    # The best (step 4) was stored long before: its load did not wait for step 12's drain, and train()'s end
+    # spent exit_timeout_s once (the best load used to wait it out first, then train() again).
+    assert len(waits) == 1 and waits[0] is not None and waits[0] <= 0.5, waits
+    trainer.checkpointer.close()
+
+
+def test_a_best_save_that_save_async_refused_is_not_named_best(tmp_path):
+    """on_busy="raise" refuses the save of a new best step (the previous save is held at a gate): the Trainer's
+    best stays the save it named before, not a step that was never saved."""
+    gate = threading.Event()
+
+    def gated(args: TrainingArguments) -> tiersave.Checkpointer:
+        storage = FaultyStorage(LocalStorage(tmp_path / "ckpt"), gates={"finish": gate})
+        return tiersave.Checkpointer(storage, on_busy="raise", exit_timeout_s=0.2)
+
+    trainer, _ = scored_trainer(tmp_path, {2: 0.1, 4: 0.9, 6: 0.3}, checkpointer=gated)
+    try:
+        with pytest.raises(tiersave.SaveError, match=r"step 2 is still being written \(on_busy=.raise.\)"):
+            trainer.train()
+        assert trainer.state.best_global_step == 4  # the Trainer's score
+        assert trainer.state.best_model_checkpoint == "tiersave:step=2"  # but a step that is being saved
+    finally:
+        gate.set()
+    assert trainer.checkpointer.wait(60)
+    assert trainer.checkpointer.catalog.steps() == [2]
     trainer.checkpointer.close()
