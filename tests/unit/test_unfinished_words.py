@@ -190,11 +190,13 @@ def test_wait_spends_its_timeout_once_in_all(monkeypatch: pytest.MonkeyPatch) ->
     clock = _Clock()
     monkeypatch.setattr(_lifecycle, "time", clock)
     monkeypatch.setattr(_futures, "time", clock)
-    first, second = _StuckQueue(clock), _StuckQueue(clock)
-    outcome = _lifecycle.wait_for(_SaveCommittingAfter(clock, 0.4), [("a", first), ("b", second)], 1.0)
-    assert outcome.unfinished == ("a", "b")
-    assert first.looks == [pytest.approx(0.6)]  # what the commit left of the 1 s, not another whole second
-    assert second.looks == [_futures._GLANCE_S]  # the deadline has passed: a glance only
+    queues = [_StuckQueue(clock) for _ in range(4)]
+    named = [(str(i), queue) for i, queue in enumerate(queues)]
+    outcome = _lifecycle.wait_for(_SaveCommittingAfter(clock, 0.4), named, 1.0)
+    assert outcome.unfinished == ("0", "1", "2", "3")
+    assert queues[0].looks == [pytest.approx(0.6)]  # what the commit left of the 1 s, not another whole second
+    assert queues[1].looks == [pytest.approx(_futures._GLANCE_S)]  # the deadline has passed: a glance
+    assert queues[2].looks == queues[3].looks == [0.0]  # shared by the rest (each had its own: 1.15 s in all)
     assert clock.now - 1000.0 == pytest.approx(1.0 + _futures._GLANCE_S)
 
 
