@@ -345,3 +345,36 @@ def test_every_failed_pointer_write_is_reported(tmp_path):
         io.flush()  # reported once
     finally:
         io.close()
+
+
+def test_a_load_waits_for_the_commit_and_the_pointer_not_for_a_slow_drain(tmp_path):
+    gate = threading.Event()
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    tiers = [tiersave.Tier(tmp_path / "fast", name="fast"), tiersave.Tier(slow, name="slow")]
+    io = TiersaveCheckpointIO(tiersave.Checkpointer(tiers=tiers, handle_sigterm=False), timeout_s=0.3)
+    target = tmp_path / "ckpt" / "a.ckpt"
+    w = torch.rand(64)
+    try:
+        io.save_checkpoint({"global_step": 3, "w": w}, target)
+        assert io._handles[3].wait(60)  # committed on "fast"; its drain to "slow" waits at the gate
+        io.timeout_s = 60.0  # for the pointer write; the drain stays held throughout
+        loaded = io.load_checkpoint(target)  # used to raise SaveTimeoutError naming the drain
+        assert torch.equal(loaded["w"], w) and not gate.is_set()
+    finally:
+        gate.set()
+        io.close()
+
+
+def test_a_load_of_a_save_that_has_not_committed_says_so(tmp_path):
+    gate = threading.Event()
+    storage = FaultyStorage(LocalStorage(tmp_path / "root"), gates={"finish": gate})
+    io = TiersaveCheckpointIO(tiersave.Checkpointer(storage, handle_sigterm=False), timeout_s=0.3)
+    target = tmp_path / "ckpt" / "a.ckpt"
+    try:
+        io.save_checkpoint({"global_step": 3, "w": torch.rand(64)}, target)
+        with pytest.raises(tiersave.SaveTimeoutError, match=r"step 3 had not committed within 0\.3 s; it goes on"):
+            io.load_checkpoint(target)
+    finally:
+        gate.set()
+        io.timeout_s = 60.0
+        io.close()

@@ -46,7 +46,7 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from tiersave import Checkpointer, RNGState, SaveHandle
-from tiersave._lifecycle import after_timeout
+from tiersave._lifecycle import WaitOutcome, after_timeout, unfinished_message
 from tiersave.engine.pool import DaemonThreadPool
 from tiersave.errors import (
     CheckpointNotFoundError,
@@ -196,7 +196,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             FormatError: ``path`` is not a tiersave pointer.
             CheckpointNotFoundError: no pointer, or its checkpoint is no longer stored.
         """
-        self.flush()  # the pointer may be one whose save is still being written
+        self._settle(drains=False)  # the pointer may be one whose save is still being written
         step = read_pointer(self._local(path))
         state: dict[str, Any] = self.checkpointer.restore(step)
         saved_rng = state.pop(RNG_KEY, None)
@@ -257,16 +257,25 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 load) waits for it again.
             TiersaveError: a save or a pointer write failed.
         """
+        self._settle(drains=True)
+
+    def _settle(self, *, drains: bool) -> None:
+        """``flush()``; without ``drains``, wait only for the saves' commits and their pointers (what a load
+        needs), not for drains to later tiers or retention."""
         deadline = time.monotonic() + self.timeout_s  # one deadline for the saves and the pointers
-        # Checkpointer.wait would re-raise a save that failed synchronously, already raised to Lightning.
-        finished = self.checkpointer.wait(self.timeout_s, raise_errors=False)
+        late: list[int] = []  # saves that had not committed (a load's wait)
+        if drains:  # Checkpointer.wait would re-raise a save that failed synchronously, already raised
+            finished = self.checkpointer.wait(self.timeout_s, raise_errors=False)
+        else:
+            late = [h.step for h in list(self._handles.values()) if not h.wait(max(0.0, deadline - time.monotonic()))]
+            finished = not late
         for handle in list(self._handles.values()):  # a failed save raises as itself, before any slow drain
             err = handle.exception() if handle.failed() else None
             if err is not None:
                 self._handles = {}
                 raise err
         if not finished:
-            raise self._timed_out()
+            raise self._timed_out() if drains else self._not_committed(late[0])
         with self._lock:
             jobs = list(self._jobs)
         try:
@@ -356,6 +365,12 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
     def _timed_out(self) -> SaveTimeoutError:
         """The checkpointer's wait timed out: what did not finish (a save, or a committed save's drain)."""
         return SaveTimeoutError(after_timeout(self.checkpointer, f"within {self.timeout_s:g} s")[1])
+
+    def _not_committed(self, step: int) -> SaveTimeoutError:
+        """A load's wait for the commit of the save of ``step`` timed out."""
+        outcome = WaitOutcome(step, False, None, (f"the save of step {step}",))
+        within = f"within {self.timeout_s:g} s"
+        return SaveTimeoutError(unfinished_message(outcome, self.checkpointer.storage.uri, within))
 
     def _raise_error(self) -> None:
         with self._lock:
