@@ -378,3 +378,25 @@ def test_a_load_of_a_save_that_has_not_committed_says_so(tmp_path):
         gate.set()
         io.timeout_s = 60.0
         io.close()
+
+
+def test_a_slow_drain_defers_the_deletion_and_does_not_fail_the_next_save(tmp_path):
+    gate = threading.Event()
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    tiers = [tiersave.Tier(tmp_path / "fast", name="fast"), tiersave.Tier(slow, name="slow")]
+    io = TiersaveCheckpointIO(tiersave.Checkpointer(tiers=tiers, handle_sigterm=False), timeout_s=0.3)
+    first, second = tmp_path / "ckpt" / "a.ckpt", tmp_path / "ckpt" / "b.ckpt"
+    try:
+        io.save_checkpoint({"global_step": 1, "w": torch.rand(64)}, first)
+        assert io._jobs[0][1].exception(60) is None and read_pointer(first) == 1  # committed, pointer written
+        io.remove_checkpoint(first)  # step 1 is no longer named: deleted once the saves settle
+        io.save_checkpoint({"global_step": 2, "w": torch.rand(64)}, second)  # used to raise SaveTimeoutError
+        assert 1 in {c.step for c in io.checkpointer.list()}  # deferred while step 1's drain is held
+        gate.set()
+        io.timeout_s = 60.0
+        io.teardown()
+        assert {c.step for c in io.checkpointer.list()} == {2}
+    finally:
+        gate.set()
+        io.timeout_s = 60.0
+        io.close()

@@ -380,13 +380,22 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if errors:
             raise StorageError("; ".join(str(e) for e in errors)) from errors[0]
 
+    def _settled(self) -> bool:
+        """Before a save, whether deleting may run now: after the previous save's commit (which the new save
+        waits for anyway with ``on_busy="wait"``), and with no drain to a later tier or retention still
+        running, which a deletion could race. A slow drain defers the deletion; it does not fail the save."""
+        if self.checkpointer.on_busy == "wait":
+            for handle in list(self._handles.values()):
+                handle.wait(self.timeout_s)
+        return self.checkpointer.wait(0.0, raise_errors=False)
+
     def _delete_unreferenced(self, *, wait: bool) -> None:
         with self._lock:
             candidates = set(self._unreferenced)
         if not candidates:
             return
-        if wait and not self.checkpointer.wait(self.timeout_s, raise_errors=False):
-            raise self._timed_out()
+        if wait and not self._settled():
+            return  # still in self._unreferenced: the next save or teardown deletes them
         with self._lock:
             named = {step for step, job in self._jobs if not job.done()}
             dirs = list(self._dirs)
