@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import json
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -400,3 +402,25 @@ def test_a_slow_drain_defers_the_deletion_and_does_not_fail_the_next_save(tmp_pa
         gate.set()
         io.timeout_s = 60.0
         io.close()
+
+
+EXIT_WITH_A_POINTER_WAITING = """
+import threading, torch, tiersave
+from tiersave.integrations.lightning import TiersaveCheckpointIO
+from tiersave.storage.posix import LocalStorage
+from tiersave.testing.faults import FaultyStorage
+storage = FaultyStorage(LocalStorage({root!r}), gates={{"finish": threading.Event()}})  # never opened
+io = TiersaveCheckpointIO(tiersave.Checkpointer(storage, exit_timeout_s=1), timeout_s=300)
+io.save_checkpoint({{"global_step": 2, "w": torch.rand(64)}}, {target!r})
+"""
+
+
+def test_a_pointer_write_waiting_for_its_commit_does_not_delay_exit(tmp_path):
+    """The pointer writer's thread used to be a ThreadPoolExecutor's, joined at interpreter exit before
+    tiersave's exit hook: a write waiting for a stuck commit held the exit for ``timeout_s`` (300 s here)."""
+    script = tmp_path / "script.py"
+    script.write_text(EXIT_WITH_A_POINTER_WAITING.format(root=str(tmp_path / "root"), target=str(tmp_path / "a.ckpt")))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "the save of step 2 did not finish within 1 s; it is not visible" in out.stderr, out.stderr
+    assert not (tmp_path / "a.ckpt").exists()
