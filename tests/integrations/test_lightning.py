@@ -291,11 +291,16 @@ def test_flush_spends_timeout_s_once_for_the_saves_and_the_pointers(tmp_path, mo
         io.close()
 
 
+def _with_a_gated_drain(tmp_path: Path, gate: threading.Event, fast: Any = None) -> TiersaveCheckpointIO:
+    """A plugin (timeout_s=0.3) on tiers "fast" and "slow", whose drains to "slow" wait at ``gate``."""
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    tiers = [tiersave.Tier(fast or tmp_path / "fast", name="fast"), tiersave.Tier(slow, name="slow")]
+    return TiersaveCheckpointIO(tiersave.Checkpointer(tiers=tiers, handle_sigterm=False), timeout_s=0.3)
+
+
 def test_a_flush_timed_out_by_a_drain_names_the_save_committed(tmp_path):
     gate = threading.Event()
-    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
-    tiers = [tiersave.Tier(tmp_path / "fast", name="fast"), tiersave.Tier(slow, name="slow")]
-    io = TiersaveCheckpointIO(tiersave.Checkpointer(tiers=tiers, handle_sigterm=False), timeout_s=0.3)
+    io = _with_a_gated_drain(tmp_path, gate)
     target = tmp_path / "ckpt" / "a.ckpt"
     try:
         io.save_checkpoint({"global_step": 3, "w": torch.rand(64)}, target)
@@ -316,9 +321,7 @@ def test_a_failed_save_is_raised_as_itself_by_flush_while_a_drain_is_slow(tmp_pa
     gate = threading.Event()
     no_space = Fault("finish", nth=2, error=lambda: OSError(errno.ENOSPC, "No space left on device"))
     fast = FaultyStorage(LocalStorage(tmp_path / "fast"), [no_space])
-    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
-    tiers = [tiersave.Tier(fast, name="fast"), tiersave.Tier(slow, name="slow")]
-    io = TiersaveCheckpointIO(tiersave.Checkpointer(tiers=tiers, handle_sigterm=False), timeout_s=0.3)
+    io = _with_a_gated_drain(tmp_path, gate, fast)
     try:
         io.save_checkpoint({"global_step": 1, "w": torch.rand(64)}, tmp_path / "ckpt" / "a.ckpt")
         assert io._handles[1].wait(60)  # committed; its drain to "slow" waits at the gate
@@ -351,9 +354,7 @@ def test_every_failed_pointer_write_is_reported(tmp_path):
 
 def test_a_load_waits_for_the_commit_and_the_pointer_not_for_a_slow_drain(tmp_path):
     gate = threading.Event()
-    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
-    tiers = [tiersave.Tier(tmp_path / "fast", name="fast"), tiersave.Tier(slow, name="slow")]
-    io = TiersaveCheckpointIO(tiersave.Checkpointer(tiers=tiers, handle_sigterm=False), timeout_s=0.3)
+    io = _with_a_gated_drain(tmp_path, gate)
     target = tmp_path / "ckpt" / "a.ckpt"
     w = torch.rand(64)
     try:
@@ -384,9 +385,7 @@ def test_a_load_of_a_save_that_has_not_committed_says_so(tmp_path):
 
 def test_a_slow_drain_defers_the_deletion_and_does_not_fail_the_next_save(tmp_path):
     gate = threading.Event()
-    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
-    tiers = [tiersave.Tier(tmp_path / "fast", name="fast"), tiersave.Tier(slow, name="slow")]
-    io = TiersaveCheckpointIO(tiersave.Checkpointer(tiers=tiers, handle_sigterm=False), timeout_s=0.3)
+    io = _with_a_gated_drain(tmp_path, gate)
     first, second = tmp_path / "ckpt" / "a.ckpt", tmp_path / "ckpt" / "b.ckpt"
     try:
         io.save_checkpoint({"global_step": 1, "w": torch.rand(64)}, first)

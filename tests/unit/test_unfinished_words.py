@@ -92,10 +92,23 @@ def test_close_says_an_uncommitted_save_goes_on_and_the_words_stay_true_once_it_
         assert again.catalog.steps() == [3]
 
 
-class _SaveCommittingJustAfterTheDeadline:
-    """A save whose commit lands right after its wait timed out, before the words about that wait are built."""
+class _FakeSave:
+    """The part of a save handle the waits read, for a save that does not fail."""
 
     step = 5
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def _unobserved_error(self) -> BaseException | None:
+        return None
+
+    def _peek_error(self) -> BaseException | None:
+        return None
+
+
+class _SaveCommittingJustAfterTheDeadline(_FakeSave):
+    """A save whose commit lands right after its wait timed out, before the words about that wait are built."""
 
     def __init__(self) -> None:
         self.waited = False
@@ -106,15 +119,6 @@ class _SaveCommittingJustAfterTheDeadline:
 
     def done(self) -> bool:
         return self.waited  # committed as soon as the wait has given up
-
-    def exception(self) -> BaseException | None:
-        return None
-
-    def _unobserved_error(self) -> BaseException | None:
-        return None
-
-    def _peek_error(self) -> BaseException | None:
-        return None
 
 
 def test_the_words_come_from_one_snapshot_taken_when_the_wait_ended() -> None:
@@ -142,7 +146,7 @@ class _Clock:
         return self.now
 
 
-class _SaveCommittingAfter:
+class _SaveCommittingAfter(_FakeSave):
     """A save handle whose commit takes ``took`` seconds of the fake clock."""
 
     def __init__(self, clock: _Clock, took: float) -> None:
@@ -154,15 +158,6 @@ class _SaveCommittingAfter:
 
     def done(self) -> bool:
         return True
-
-    def exception(self) -> BaseException | None:
-        return None
-
-    def _unobserved_error(self) -> BaseException | None:
-        return None
-
-    def _peek_error(self) -> BaseException | None:
-        return None
 
 
 class _StuckQueue(Executor):
