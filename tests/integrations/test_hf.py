@@ -277,18 +277,22 @@ def test_a_best_save_that_on_busy_skip_skipped_is_not_named_best(tmp_path, caplo
     then look for a step that was never saved); its best stays the save it named before, said once in the log."""
     scores = {2: 0.1, 4: 0.9, 6: 0.3, 8: 0.5, 10: 0.2, 12: 0.4}  # 4 is the best score, and its save is skipped
     gate = threading.Event()  # the save of step 2 is held until step 5 ends: step 4's save finds it in flight
+    opened: dict[str, tiersave.Checkpointer] = {}
 
     class OpenAt5(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.global_step == 5:
                 gate.set()
+                # Committed before step 6's save: on a loaded machine it could still be in flight, and a
+                # second skip (step 6) would fail this test with an unexpected warning.
+                assert opened["ckpt"].wait(60), "the save of step 2 did not finish within 60 s"
 
     def gated(args: TrainingArguments) -> tiersave.Checkpointer:
         storage = FaultyStorage(LocalStorage(tmp_path / "ckpt"), gates={"finish": gate})
         return tiersave.Checkpointer(tiers=[Tier(storage, keep=retention_for(args, keep_last=1))], on_busy="skip")
 
     trainer, _ = scored_trainer(tmp_path, scores, checkpointer=gated, callbacks=[OpenAt5()])
-    ckpt = trainer.checkpointer
+    ckpt = opened["ckpt"] = trainer.checkpointer
     try:
         with (
             caplog.at_level(logging.DEBUG, logger="tiersave.integrations.hf"),
