@@ -26,17 +26,20 @@ def unfinished_queues(executors: Sequence[Executor], timeout: float | None) -> l
     """Wait until every task queued so far on each single-threaded executor has run: a no-op queued now runs
     after them. The executors are waited for in order, because a task on one may queue work on a later one.
     Returns the indexes of those whose queue had not run out when ``timeout`` seconds passed (empty: all
-    did); once it has passed, each remaining executor gets a brief look (``_GLANCE_S``), not the whole wait.
-    A shut-down executor has nothing pending."""
+    did). Once it has passed, the executors not yet looked at share one brief look (``_GLANCE_S`` in all,
+    not each), so the whole wait ends at most that long after ``timeout``. A shut-down executor has nothing
+    pending."""
     deadline = None if timeout is None else time.monotonic() + timeout
     unfinished: list[int] = []
     for index, executor in enumerate(executors):
-        remaining = None if deadline is None else max(_GLANCE_S, deadline - time.monotonic())
+        remaining = None
+        if deadline is not None:
+            now = time.monotonic()
+            remaining = deadline - now if now < deadline else max(0.0, deadline + _GLANCE_S - now)
         try:
             executor.submit(lambda: None).result(remaining)
         except FutureTimeout:
             unfinished.append(index)
-            deadline = time.monotonic()  # the rest get their glance only
         except RuntimeError:  # shut down: nothing can be pending
             pass
     return unfinished

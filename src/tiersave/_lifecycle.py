@@ -3,10 +3,12 @@
 Every open Checkpointer is registered (weakly). At interpreter exit, and on SIGTERM when enabled, the hook
 of each one (:func:`finish_or_report`) waits (bounded by its ``exit_timeout_s``) for its in-flight save and
 the save's follow-up (retention, drains to later tiers, the removal of deleted checkpoints' files), and writes
-one line to stderr if any of it could not finish or the save failed. The line says which (:func:`unfinished_message`):
-a save that did not commit is never half-visible, it is simply not committed; a committed save whose follow-up
-did not finish is named committed, with what did not finish. Background threads are daemons, so a stuck write
-cannot hang the exit itself.
+one line to stderr if any of it could not finish or the save failed. The line says which (:func:`unfinished_message`),
+built from one snapshot of the save's state at the deadline (:class:`WaitOutcome`): a save that did not commit is
+never half-visible, it is simply not committed; a committed save whose follow-up did not finish is named
+committed, with what did not finish. Background threads are daemons, so a stuck write cannot hang the exit itself.
+Callers that go on living (``close()``, the trainer integrations) say that an uncommitted save goes on in the
+background and becomes visible only if it commits: closing does not stop a commit already running.
 
 The SIGTERM handler is installed once, only from the main thread. It chains to a handler that was
 installed before it; when there was none (the default action), it re-delivers SIGTERM with the default
@@ -40,6 +42,7 @@ class _Save(Protocol):
     def wait(self, timeout: float | None = None) -> bool: ...
     def exception(self) -> BaseException | None: ...
     def _unobserved_error(self) -> BaseException | None: ...
+    def _peek_error(self) -> BaseException | None: ...
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,23 @@ class ExitState:
     timeout_s: float
 
 
+@dataclass(frozen=True)
+class WaitOutcome:
+    """One snapshot, taken when a bounded wait ended, of the save it waited for and of its follow-up; the words
+    about that wait are built from it alone, so a commit landing a moment later cannot make them contradict."""
+
+    step: int
+    done: bool  # committed or failed when the wait ended
+    error: BaseException | None  # the save's error (done and failed)
+    unfinished: tuple[str, ...]  # what did not finish, named (empty: everything did)
+
+    @property
+    def committed(self) -> bool:
+        return self.done and self.error is None
+
+
 class _Hooked(Protocol):
-    _unfinished: list[str]  # what the last wait() that timed out left unfinished, named
+    _last_wait: WaitOutcome | None  # what the last wait() found when it ended
 
     def _exit_state(self) -> ExitState | None: ...
     def wait(self, timeout: float | None = None, *, raise_errors: bool = True) -> bool: ...
@@ -111,49 +129,57 @@ def finish_or_report(obj: _Hooked, reason: str) -> None:
         )
     if not obj.wait(state.timeout_s, raise_errors=False):
         within = f"within {state.timeout_s:.0f} s"
-        sys.stderr.write(f"tiersave: {unfinished_message(pending, obj._unfinished, state.uri, within)}\n")
+        sys.stderr.write(f"tiersave: {unfinished_message(obj._last_wait, state.uri, within, at_exit=True)}\n")
         return
     if pending is not None and pending._unobserved_error() is not None:
         sys.stderr.write(f"tiersave: the save of step {pending.step} FAILED: {pending.exception()}\n")
 
 
-def wait_for(pending: _Save, follow_ups: Sequence[tuple[str, Executor]], timeout: float | None) -> list[str]:
+def wait_for(pending: _Save, follow_ups: Sequence[tuple[str, Executor]], timeout: float | None) -> WaitOutcome:
     """Wait, ``timeout`` seconds in all, for ``pending`` to commit or fail, then for its follow-up: the tasks
     queued so far on ``follow_ups``' single-threaded executors, each named by what it does, in the order they
-    hand work on. Returns the names of what did not finish (empty: everything did)."""
+    hand work on. Returns what was found: the save's state is read once, when its own wait ends."""
     deadline = None if timeout is None else time.monotonic() + timeout
     if not pending.wait(timeout):
-        return [f"the save of step {pending.step}"]
+        return WaitOutcome(pending.step, False, None, (f"the save of step {pending.step}",))
+    error = pending._peek_error()
     left = None if deadline is None else max(0.0, deadline - time.monotonic())
-    return [follow_ups[i][0] for i in unfinished_queues([queue for _, queue in follow_ups], left)]
+    unfinished = tuple(follow_ups[i][0] for i in unfinished_queues([queue for _, queue in follow_ups], left))
+    return WaitOutcome(pending.step, True, error, unfinished)
 
 
 def after_timeout(obj: _Hooked, within: str) -> tuple[bool, str]:
-    """After ``obj.wait()`` timed out: whether its last save is committed (then only its follow-up did not
-    finish), and :func:`unfinished_message`'s words for what did not, for the adapters that report it."""
+    """After ``obj.wait()`` timed out: whether its last save was committed when the wait ended (then only its
+    follow-up did not finish), and :func:`unfinished_message`'s words for what did not, for the adapters that
+    report it."""
     state = obj._exit_state()
-    pending = state.inflight if state is not None else None
-    committed = pending is not None and pending.done() and pending.exception() is None
-    return committed, unfinished_message(pending, obj._unfinished, state.uri if state else "?", within)
+    outcome = obj._last_wait
+    committed = outcome is not None and outcome.committed
+    return committed, unfinished_message(outcome, state.uri if state else "?", within)
 
 
-def unfinished_message(pending: _Save | None, unfinished: Sequence[str], uri: str, within: str) -> str:
+def unfinished_message(outcome: WaitOutcome | None, uri: str, within: str, *, at_exit: bool = False) -> str:
     """What a wait that timed out (``within``: "within 30 s", "before close") left, in words that stay true: a
-    save that did not commit is not visible; one that committed is, and only its follow-up (``unfinished``, as
-    :func:`wait_for` named it) did not finish."""
-    if pending is None or not pending.done():
+    save that had not committed is not visible yet (``at_exit``: never, the process ends); one that committed
+    is, and only its follow-up (as :func:`wait_for` named it) did not finish."""
+    if outcome is None or not outcome.done:
+        step = outcome.step if outcome is not None else "?"
+        if at_exit:
+            return (
+                f"the save of step {step} did not finish {within}; it is not visible "
+                f"(the newest checkpoint in {uri} is the previous one)"
+            )
         return (
-            f"the save of step {pending.step if pending else '?'} did not finish {within}; it is not visible "
-            f"(the newest checkpoint in {uri} is the previous one)"
+            f"the save of step {step} had not committed {within}; it goes on in the background and becomes "
+            f"visible only if it commits (until then the newest checkpoint in {uri} is the previous one)"
         )
-    rest = "; ".join(unfinished)
-    error = pending.exception()
-    if error is not None:
+    rest = "; ".join(outcome.unfinished)
+    if outcome.error is not None:
         return (
-            f"the save of step {pending.step} FAILED and is not visible: {error}; the follow-up of earlier saves "
-            f"did not finish {within}: {rest}"
+            f"the save of step {outcome.step} FAILED and is not visible: {outcome.error}; the follow-up of earlier "
+            f"saves did not finish {within}: {rest}"
         )
-    return f"the save of step {pending.step} is committed in {uri}; its follow-up did not finish {within}: {rest}"
+    return f"the save of step {outcome.step} is committed in {uri}; its follow-up did not finish {within}: {rest}"
 
 
 def _install_sigterm() -> None:

@@ -163,7 +163,7 @@ class Checkpointer:
         self._roots = RootLocks(lambda: (t.storage for t in self._chain.tiers), enabled=writer_lock and not self._rank)
         self._last: SaveHandle | None = None
         self._inflight: SaveHandle | None = None
-        self._unfinished: builtins.list[str] = []  # what the last wait() that timed out left, named
+        self._last_wait: _lifecycle.WaitOutcome | None = None  # what the last wait() found when it ended
         self._closed = False
         self.skipped_saves = 0
         self.last_restore: RestoreReport | None = None
@@ -176,8 +176,9 @@ class Checkpointer:
         threads and the staging memory. Idempotent.
 
         Returns:
-            True if nothing was left unfinished. A warning names what was: a save that did not commit (it is
-            not visible; the previous checkpoint stays the newest), or a committed save's follow-up.
+            True if nothing was left unfinished. A warning names what was: a save that had not committed
+            (closing does not stop it: it becomes visible only if it commits; until then the previous
+            checkpoint stays the newest), or a committed save's follow-up.
 
         Raises:
             SaveError: the last save failed in the background and nobody observed its error.
@@ -195,7 +196,7 @@ class Checkpointer:
             self._roots.release()
             _raise_unobserved(self._last)
         else:
-            _warn_unfinished(self._inflight, self._unfinished, self.storage.uri)
+            _warn_unfinished(self._last_wait, self.storage.uri)
         return finished
 
     def __enter__(self) -> Checkpointer:
@@ -224,19 +225,17 @@ class Checkpointer:
             False if ``timeout`` seconds passed first.
 
         Raises:
-            TiersaveError: the last save failed (when ``raise_errors``); the error counts as observed.
+            TiersaveError: the last save failed (when ``raise_errors``), as itself, even when an earlier save's
+                follow-up is still running; the error counts as observed.
         """
         pending = self._inflight
         if pending is None:
             return True
-        self._unfinished = _lifecycle.wait_for(pending, _follow_ups(self._committer, self._chain), timeout)
-        if self._unfinished:
-            return False
-        if raise_errors:
-            err = pending.exception()
-            if err is not None:
-                raise err
-        return True
+        self._last_wait = _lifecycle.wait_for(pending, _follow_ups(self._committer, self._chain), timeout)
+        if raise_errors and self._last_wait.error is not None:  # as itself, even if earlier drains are slow
+            pending.exception()  # now observed: close() and the exit hook do not report it again
+            raise self._last_wait.error
+        return not self._last_wait.unfinished
 
     def _exit_state(self) -> _lifecycle.ExitState | None:
         """What the exit hook needs to finish or report the in-flight save; None once closed."""
@@ -501,8 +500,8 @@ def _raise_unobserved(last: SaveHandle | None) -> None:
         raise SaveError(f"the save of step {last.step} failed and nobody observed it: {err}") from err
 
 
-def _warn_unfinished(pending: SaveHandle | None, unfinished: Sequence[str], uri: str) -> None:
-    message = _lifecycle.unfinished_message(pending, unfinished, uri, "before close")
+def _warn_unfinished(outcome: _lifecycle.WaitOutcome | None, uri: str) -> None:
+    message = _lifecycle.unfinished_message(outcome, uri, "before close")
     warnings.warn(f"tiersave: {message}", TiersaveWarning, stacklevel=3)
 
 

@@ -164,6 +164,10 @@ class SaveHandle:
         self._observed = True
         return self._future.exception()
 
+    def _peek_error(self) -> BaseException | None:
+        """The save's error once done, without marking it observed (for words about a wait that ended)."""
+        return self._future.exception() if self._future.done() else None
+
     def _unobserved_error(self) -> BaseException | None:
         if self._future.done() and not self._observed:
             return self._future.exception()

@@ -277,18 +277,22 @@ def test_a_best_save_that_on_busy_skip_skipped_is_not_named_best(tmp_path, caplo
     then look for a step that was never saved); its best stays the save it named before, said once in the log."""
     scores = {2: 0.1, 4: 0.9, 6: 0.3, 8: 0.5, 10: 0.2, 12: 0.4}  # 4 is the best score, and its save is skipped
     gate = threading.Event()  # the save of step 2 is held until step 5 ends: step 4's save finds it in flight
+    opened: dict[str, tiersave.Checkpointer] = {}
 
     class OpenAt5(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.global_step == 5:
                 gate.set()
+                # Committed before step 6's save: on a loaded machine it could still be in flight, and a
+                # second skip (step 6) would fail this test with an unexpected warning.
+                assert opened["ckpt"].wait(60), "the save of step 2 did not finish within 60 s"
 
     def gated(args: TrainingArguments) -> tiersave.Checkpointer:
         storage = FaultyStorage(LocalStorage(tmp_path / "ckpt"), gates={"finish": gate})
         return tiersave.Checkpointer(tiers=[Tier(storage, keep=retention_for(args, keep_last=1))], on_busy="skip")
 
     trainer, _ = scored_trainer(tmp_path, scores, checkpointer=gated, callbacks=[OpenAt5()])
-    ckpt = trainer.checkpointer
+    ckpt = opened["ckpt"] = trainer.checkpointer
     try:
         with (
             caplog.at_level(logging.DEBUG, logger="tiersave.integrations.hf"),
@@ -319,8 +323,23 @@ def test_train_loads_the_best_and_returns_once_the_saves_are_committed_though_a_
         fast = Tier(tmp_path / "fast", name="fast", keep=retention_for(args, keep_last=1))
         return tiersave.Checkpointer(tiers=[fast, Tier(slow, name="slow")], exit_timeout_s=0.5)
 
+    class WaitCommit(TrainerCallback):  # each save commits on "fast" before training goes on: only drains wait
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            inflight = holder["trainer"].checkpointer._inflight
+            assert inflight is not None and inflight.wait(60), "the save did not commit within 60 s"
+
+    holder: dict[str, Any] = {}
     scores = {2: 0.1, 4: 0.9, 6: 0.3, 8: 0.5, 10: 0.2, 12: 0.4}
-    trainer, seen = scored_trainer(tmp_path, scores, checkpointer=two_tiers)
+    trainer, seen = scored_trainer(tmp_path, scores, checkpointer=two_tiers, callbacks=[WaitCommit()])
+    holder["trainer"] = trainer
+    waits: list[float | None] = []
+    real_wait = trainer.checkpointer.wait
+
+    def spy(timeout: float | None = None, **kwargs: Any) -> bool:
+        waits.append(timeout)
+        return real_wait(timeout, **kwargs)
+
+    trainer.checkpointer.wait = spy  # the real wait, its timeouts recorded
     try:
         with warnings.catch_warnings(record=True) as said:  # also: tier slow cannot keep up
             warnings.simplefilter("always")
@@ -331,4 +350,29 @@ def test_train_loads_the_best_and_returns_once_the_saves_are_committed_though_a_
     assert "the save of step 12 is committed in" in message and "the drain to tier slow" in message, message
     assert "not visible" not in message, message
     assert all(torch.equal(v, seen[4][k]) for k, v in trainer.model.state_dict().items())  # the best, loaded
+    # The best (step 4) was stored long before: its load did not wait for step 12's drain, and train()'s end
+    # spent exit_timeout_s once (the best load used to wait it out first, then train() again).
+    assert len(waits) == 1 and waits[0] is not None and waits[0] <= 0.5, waits
+    trainer.checkpointer.close()
+
+
+def test_a_best_save_that_save_async_refused_is_not_named_best(tmp_path):
+    """on_busy="raise" refuses the save of a new best step (the previous save is held at a gate): the Trainer's
+    best stays the save it named before, not a step that was never saved."""
+    gate = threading.Event()
+
+    def gated(args: TrainingArguments) -> tiersave.Checkpointer:
+        storage = FaultyStorage(LocalStorage(tmp_path / "ckpt"), gates={"finish": gate})
+        return tiersave.Checkpointer(storage, on_busy="raise", exit_timeout_s=0.2)
+
+    trainer, _ = scored_trainer(tmp_path, {2: 0.1, 4: 0.9, 6: 0.3}, checkpointer=gated)
+    try:
+        with pytest.raises(tiersave.SaveError, match=r"step 2 is still being written \(on_busy=.raise.\)"):
+            trainer.train()
+        assert trainer.state.best_global_step == 4  # the Trainer's score
+        assert trainer.state.best_model_checkpoint == "tiersave:step=2"  # but a step that is being saved
+    finally:
+        gate.set()
+    assert trainer.checkpointer.wait(60)
+    assert trainer.checkpointer.catalog.steps() == [2]
     trainer.checkpointer.close()

@@ -171,7 +171,7 @@ def test_close_with_a_stuck_save_reports_it_and_shows_nothing(root):
     storage = FaultyStorage(LocalStorage(root), gates={"finish": gate})
     ckpt = tiersave.Checkpointer(storage)
     handle = ckpt.save_async(2, big_state(2, mib=1))
-    with pytest.warns(tiersave.TiersaveWarning, match="the save of step 2 did not finish before close"):
+    with pytest.warns(tiersave.TiersaveWarning, match="the save of step 2 had not committed before close"):
         assert ckpt.close(timeout=0.2) is False
     assert not handle.done()
     assert tiersave.Checkpointer(root).catalog.steps() == []  # nothing half-visible

@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import os
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -47,7 +48,7 @@ from transformers import Trainer, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
-from tiersave import Checkpointer, RNGState, Tier
+from tiersave import Checkpointer, RNGState, SaveHandle, Tier
 from tiersave._lifecycle import after_timeout
 from tiersave.errors import (
     CheckpointNotFoundError,
@@ -170,6 +171,8 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
             self.checkpointer = Checkpointer(tiers=[Tier(checkpointer, keep=retention_for(self.args))])
         self._tiersave_resume: int | None = None
         self._tiersave_loaded: dict[str, Any] | None = None
+        self._tiersave_last: SaveHandle | None = None  # the newest save this Trainer asked for
+        self._tiersave_deadline: float | None = None  # one exit_timeout_s for the best load and train()'s end
         self.skipped_best_saves = 0
         """Saves of a new best step that ``on_busy="skip"`` skipped: the Trainer's best stayed the one before."""
 
@@ -217,23 +220,31 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
             raise ConfigError(
                 f"resume_from_checkpoint must be True, a step, a path or None, got {resume_from_checkpoint!r}"
             )
+        self._tiersave_deadline = None
         try:
             output = super().train(passthrough, *args, **kwargs)
         except BaseException:
             # Finish (or give up on) the save in flight without hiding the training error.
-            self.checkpointer.wait(self.checkpointer.exit_timeout_s, raise_errors=False)
+            self.checkpointer.wait(self._time_left(), raise_errors=False)
             raise
         finally:
             self._tiersave_resume = None
             self._tiersave_loaded = None
         timeout = self.checkpointer.exit_timeout_s
-        if not self.checkpointer.wait(timeout):
+        if not self.checkpointer.wait(self._time_left()):  # a failed save raises as itself
             committed, words = after_timeout(self.checkpointer, f"within {timeout:g} s")
             if not committed:
                 raise SaveTimeoutError(words)
             # Durable already: only a drain or retention goes on (the exit hook waits for it again).
             warnings.warn(f"tiersave: {words}", TiersaveWarning, stacklevel=2)
         return output
+
+    def _time_left(self) -> float:
+        """What is left of the one ``exit_timeout_s`` that the end of ``train()`` spends, in all, waiting for
+        the saves (the best load's wait for its commit included); it starts with the first such wait."""
+        if self._tiersave_deadline is None:
+            self._tiersave_deadline = time.monotonic() + self.checkpointer.exit_timeout_s
+        return max(0.0, self._tiersave_deadline - time.monotonic())
 
     def _check_supported(self) -> None:
         if self.args.world_size > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
@@ -352,11 +363,17 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
             super()._load_best_model()
             return
         step = int(best.removeprefix(_MARKER))
-        # The best checkpoint may be the save still being written; once committed, it loads (drains may go on).
-        timeout = self.checkpointer.exit_timeout_s
-        if not self.checkpointer.wait(timeout) and not self._holds(best):
-            words = after_timeout(self.checkpointer, f"within {timeout:g} s")[1]
-            raise SaveTimeoutError(f"cannot load the best step {step}: {words}")
+        pending = self._tiersave_last
+        # Stored already (the usual case): load it now, whatever later saves' drains are doing. Otherwise it is
+        # the save still being written: wait for its commit only, not for its drains to later tiers.
+        if not self._holds(best) and pending is not None and pending.step == step:
+            if not pending.wait(self._time_left()):
+                raise SaveTimeoutError(
+                    f"cannot load the best step {step}: its save had not committed within "
+                    f"{self.checkpointer.exit_timeout_s:g} s; it goes on in the background and becomes visible "
+                    "only if it commits"
+                )
+            pending.result()  # a failed save raises as itself
         self.checkpointer.restore(step, into={"model": self.model}, strict=False)
 
     # -- save -------------------------------------------------------------------------------------
@@ -388,13 +405,18 @@ class TiersaveTrainer(Trainer):  # type: ignore[misc]
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
             state["scaler"] = scaler
-        handle = self.checkpointer.save_async(
-            step,
-            state,
-            metrics=_eval_metrics(self.state.log_history, step),
-            tags=("best",) if best else (),
-            metadata={"writer": "tiersave.integrations.hf", "transformers": transformers.__version__},
-        )
+        try:
+            handle = self.checkpointer.save_async(
+                step,
+                state,
+                metrics=_eval_metrics(self.state.log_history, step),
+                tags=("best",) if best else (),
+                metadata={"writer": "tiersave.integrations.hf", "transformers": transformers.__version__},
+            )
+        except BaseException:  # nothing of this step is stored (on_busy="raise", a bad state): not the best
+            self.state.best_model_checkpoint = previous_best
+            raise
+        self._tiersave_last = handle
         if best and handle.skipped:
             self._best_not_saved(step, previous_best)
 

@@ -36,8 +36,9 @@ import re
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
@@ -45,14 +46,23 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from tiersave import Checkpointer, RNGState, SaveHandle
-from tiersave._lifecycle import after_timeout
-from tiersave.errors import CheckpointNotFoundError, ConfigError, FormatError, SaveTimeoutError, StorageError
+from tiersave._lifecycle import WaitOutcome, after_timeout, unfinished_message
+from tiersave.engine.pool import DaemonThreadPool
+from tiersave.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    FormatError,
+    SaveTimeoutError,
+    StorageError,
+    TiersaveWarning,
+)
 from tiersave.policy import CheckpointLike
 
 __all__ = ["POINTER_FORMAT", "TiersaveCheckpointIO", "read_pointer"]
 
 POINTER_FORMAT = "tiersave-lightning-pointer"
 _METRIC_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-/]{0,127}$")  # what save(metrics=...) accepts
+_POLL_S = 0.25  # how often a pointer write waiting for its commit looks whether the plugin was closed
 RNG_KEY = "tiersave_rng"
 """Key under which the global RNG states (Python, numpy, torch, CUDA) are stored next to Lightning's dict:
 Lightning does not save them, and the next epoch's shuffling and dropout depend on them."""
@@ -104,8 +114,9 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             decides what is kept), or a root path/URI to make one.
         rng: also store the global RNG states and restore them on load, which an exact resume needs
             (Lightning's dict has none).
-        timeout_s: the longest a wait for a save may take (teardown, a load right after a save);
-            default the checkpointer's ``exit_timeout_s``.
+        timeout_s: the longest ``flush()`` (teardown, a load right after a save) waits, in all, for the
+            saves and their pointers; default the checkpointer's ``exit_timeout_s``. A pointer whose save
+            commits later is still written: only ``close()`` gives it up.
 
     Raises:
         ConfigError: the checkpointer has a ``keep_last`` retention.
@@ -137,8 +148,9 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self._unwritten: dict[Path, int] = {}  # pointers queued and not yet written: pending writes per path
         self._removed: set[Path] = set()  # pointers Lightning removed before their queued write ran
         self._dirs: set[str] = set()  # directories holding our pointers
-        self._error: BaseException | None = None
-        self._writer: ThreadPoolExecutor | None = None
+        self._errors: list[BaseException] = []  # pointer writes that failed, raised by the next call
+        self._closing = threading.Event()  # set by close(): pointer writes still waiting give up
+        self._writer: DaemonThreadPool | None = None  # daemon: a write waiting for a commit never delays exit
 
     # -- CheckpointIO contract ---------------------------------------------------------------------
 
@@ -184,7 +196,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             FormatError: ``path`` is not a tiersave pointer.
             CheckpointNotFoundError: no pointer, or its checkpoint is no longer stored.
         """
-        self.flush()  # the pointer may be one whose save is still being written
+        self._settle(drains=False)  # the pointer may be one whose save is still being written
         step = read_pointer(self._local(path))
         state: dict[str, Any] = self.checkpointer.restore(step)
         saved_rng = state.pop(RNG_KEY, None)
@@ -218,31 +230,54 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             self._writer = None
 
     def close(self) -> None:
-        """``teardown()``, then close the checkpointer."""
+        """``teardown()``, then close the checkpointer. A pointer whose save had not committed by then is not
+        written (a warning names it): its save goes on in the background and is restorable by its step."""
         try:
             self.teardown()
         finally:
+            self._closing.set()
+            with self._lock:
+                left = sorted({step for step, job in self._jobs if not job.done()})
+            if left:
+                warnings.warn(
+                    f"tiersave: the .ckpt pointers of step(s) {left} were not written: TiersaveCheckpointIO was "
+                    "closed before their saves committed (a save that commits later is stored, restorable by "
+                    f"its step from {self.checkpointer.storage.uri})",
+                    TiersaveWarning,
+                    stacklevel=2,
+                )
             self.checkpointer.close(self.timeout_s)
 
     def flush(self) -> None:
-        """Wait until every save and pointer write so far is done.
+        """Wait until every save and pointer write so far is done, ``timeout_s`` in all.
 
         Raises:
-            SaveTimeoutError: not done within ``timeout_s``; what is not done stays pending, and the next
-                ``flush()`` (or ``teardown()``, ``close()``, a load) waits for it again.
+            SaveTimeoutError: not done within ``timeout_s``; what is not done stays pending (a pointer is
+                written once its save commits), and the next ``flush()`` (or ``teardown()``, ``close()``, a
+                load) waits for it again.
             TiersaveError: a save or a pointer write failed.
         """
-        # Checkpointer.wait would re-raise a save that failed synchronously, already raised to Lightning.
-        if not self.checkpointer.wait(self.timeout_s, raise_errors=False):
-            raise self._timed_out()
-        for handle in list(self._handles.values()):
+        self._settle(drains=True)
+
+    def _settle(self, *, drains: bool) -> None:
+        """``flush()``; without ``drains``, wait only for the saves' commits and their pointers (what a load
+        needs), not for drains to later tiers or retention."""
+        deadline = time.monotonic() + self.timeout_s  # one deadline for the saves and the pointers
+        late: list[int] = []  # saves that had not committed (a load's wait)
+        if drains:  # Checkpointer.wait would re-raise a save that failed synchronously, already raised
+            finished = self.checkpointer.wait(self.timeout_s, raise_errors=False)
+        else:
+            late = [h.step for h in list(self._handles.values()) if not h.wait(max(0.0, deadline - time.monotonic()))]
+            finished = not late
+        for handle in list(self._handles.values()):  # a failed save raises as itself, before any slow drain
             err = handle.exception() if handle.failed() else None
             if err is not None:
                 self._handles = {}
                 raise err
+        if not finished:
+            raise self._timed_out() if drains else self._not_committed(late[0])
         with self._lock:
             jobs = list(self._jobs)
-        deadline = time.monotonic() + self.timeout_s
         try:
             for step, job in jobs:
                 try:
@@ -269,7 +304,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
     def _point(self, target: Path, step: int, handle: SaveHandle) -> None:
         if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="tiersave-lightning-pointer")
+            self._writer = DaemonThreadPool(1, "tiersave-lightning-pointer")
         with self._lock:
             self._unwritten[target] = self._unwritten.get(target, 0) + 1
             self._removed.discard(target)  # saved again under the same name: the newest pointer stands
@@ -280,14 +315,20 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
     def _write_pointer(self, target: Path, step: int, handle: SaveHandle) -> None:
         try:
-            if not handle.wait(self.timeout_s):
-                raise SaveTimeoutError(f"its save had not committed after {self.timeout_s:.0f} s")
+            # However long the commit takes (a large model on slow storage), a good save gets its pointer;
+            # only close() gives up (and says so), since nothing would then write it.
+            while not handle.wait(_POLL_S):
+                if self._closing.is_set():
+                    return
             if handle.failed():
                 return  # the save's own error reaches the caller through the checkpointer
             with self._lock:  # held while writing: a removal waits for this pointer, then removes it
                 self._write_pointer_locked(target, step)
         except BaseException as exc:
-            self._error = StorageError(f"could not write the checkpoint pointer {target} for step {step}: {exc}")
+            with self._lock:
+                self._errors.append(
+                    StorageError(f"could not write the checkpoint pointer {target} for step {step}: {exc}")
+                )
         finally:
             with self._lock:
                 left = self._unwritten.pop(target, 1) - 1
@@ -325,18 +366,36 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         """The checkpointer's wait timed out: what did not finish (a save, or a committed save's drain)."""
         return SaveTimeoutError(after_timeout(self.checkpointer, f"within {self.timeout_s:g} s")[1])
 
+    def _not_committed(self, step: int) -> SaveTimeoutError:
+        """A load's wait for the commit of the save of ``step`` timed out."""
+        outcome = WaitOutcome(step, False, None, (f"the save of step {step}",))
+        within = f"within {self.timeout_s:g} s"
+        return SaveTimeoutError(unfinished_message(outcome, self.checkpointer.storage.uri, within))
+
     def _raise_error(self) -> None:
-        err, self._error = self._error, None
-        if err is not None:
-            raise err
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise StorageError("; ".join(str(e) for e in errors)) from errors[0]
+
+    def _settled(self) -> bool:
+        """Before a save, whether deleting may run now: after the previous save's commit (which the new save
+        waits for anyway with ``on_busy="wait"``), and with no drain to a later tier or retention still
+        running, which a deletion could race. A slow drain defers the deletion; it does not fail the save."""
+        if self.checkpointer.on_busy == "wait":
+            for handle in list(self._handles.values()):
+                handle.wait(self.timeout_s)
+        return self.checkpointer.wait(0.0, raise_errors=False)
 
     def _delete_unreferenced(self, *, wait: bool) -> None:
         with self._lock:
             candidates = set(self._unreferenced)
         if not candidates:
             return
-        if wait and not self.checkpointer.wait(self.timeout_s, raise_errors=False):
-            raise self._timed_out()
+        if wait and not self._settled():
+            return  # still in self._unreferenced: the next save or teardown deletes them
         with self._lock:
             named = {step for step, job in self._jobs if not job.done()}
             dirs = list(self._dirs)
