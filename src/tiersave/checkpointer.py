@@ -194,9 +194,9 @@ class Checkpointer:
         self._saver.close(release_memory=finished)
         if finished:  # an unfinished save keeps the writer locks until the process ends
             self._roots.release()
-            _raise_unobserved(self._last)
         else:
             _warn_unfinished(self._last_wait, self.storage.uri)
+        _raise_unobserved(self._last)  # a failed save is raised even while an earlier one's drain runs on
         return finished
 
     def __enter__(self) -> Checkpointer:

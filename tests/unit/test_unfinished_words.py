@@ -257,3 +257,46 @@ def test_a_failed_save_is_raised_as_itself_while_an_earlier_drain_is_still_runni
     finally:
         gate.set()
         ckpt.close()
+
+
+def test_close_raises_a_failed_save_while_an_earlier_drain_is_still_running(tmp_path: Path) -> None:
+    """close() used to only warn (a filterable warning) when the wait also timed out on a held drain."""
+    gate = threading.Event()
+    no_space = Fault("finish", nth=2, error=lambda: OSError(errno.ENOSPC, "No space left on device"))
+    fast = FaultyStorage(LocalStorage(tmp_path / "fast"), [no_space])
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    tiers = [tiersave.Tier(fast, name="fast"), tiersave.Tier(slow, name="slow")]
+    ckpt = tiersave.Checkpointer(tiers=tiers, event_log=False, handle_sigterm=False)
+    try:
+        ckpt.save(1, _state())  # committed; its drain to "slow" waits at the gate
+        handle = ckpt.save_async(2, _state())
+        assert handle.wait(60) and handle.failed()
+        with pytest.warns(tiersave.TiersaveWarning), pytest.raises(tiersave.SaveError, match="step 2"):
+            ckpt.close(timeout=0.2)
+    finally:
+        gate.set()
+
+
+def test_an_idle_queue_is_not_named_for_busy_ones_sake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the deadline has passed, the queues not yet looked at share one look; the idle ones among them used
+    to be looked at with nothing left of it (result(0.0) on a no-op queued that instant) and were named
+    unfinished. The look is long here so that only the sharing, not the machine's load, decides."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class SlowToSchedule(Executor):  # idle, but its thread gets the CPU 0.3 s later, as on a loaded machine
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+            fut: Future[Any] = Future()
+            threading.Timer(0.3, fut.set_result, (None,)).start()
+            return fut
+
+    monkeypatch.setattr(_futures, "_GLANCE_S", 2.0)
+    gate = threading.Event()
+    busy = [ThreadPoolExecutor(1) for _ in range(2)]
+    try:
+        for pool in busy:
+            pool.submit(gate.wait, 60)  # busy until the gate opens
+        assert _futures.unfinished_queues([*busy, SlowToSchedule()], 0.0) == [0, 1]  # the idle third: not named
+    finally:
+        gate.set()
+        for pool in busy:
+            pool.shutdown(wait=True)
