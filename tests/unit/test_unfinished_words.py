@@ -235,20 +235,26 @@ def test_wait_names_nothing_once_everything_finished(
         assert ckpt.wait(timeout=timeout) and ckpt._last_wait is not None and ckpt._last_wait.unfinished == ()
 
 
-def test_a_failed_save_is_raised_as_itself_while_an_earlier_drain_is_still_running(tmp_path: Path) -> None:
-    """The last save fails (no space) while the drain of an earlier one is held: wait() used to return False
-    before looking at the error, and the integrations then raised SaveTimeoutError("... FAILED ...") instead,
-    losing the error's type and cause."""
+def _a_failed_save_behind_a_held_drain(tmp_path: Path) -> tuple[tiersave.Checkpointer, threading.Event, Any]:
+    """Step 1 committed with its drain to a second tier held at a gate; step 2 failed (no space) meanwhile."""
     gate = threading.Event()
     no_space = Fault("finish", nth=2, error=lambda: OSError(errno.ENOSPC, "No space left on device"))
     fast = FaultyStorage(LocalStorage(tmp_path / "fast"), [no_space])
     slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
     tiers = [tiersave.Tier(fast, name="fast"), tiersave.Tier(slow, name="slow")]
     ckpt = tiersave.Checkpointer(tiers=tiers, event_log=False, handle_sigterm=False)
+    ckpt.save(1, _state())  # committed; its drain to "slow" waits at the gate
+    handle = ckpt.save_async(2, _state())
+    assert handle.wait(60) and handle.failed()
+    return ckpt, gate, handle
+
+
+def test_a_failed_save_is_raised_as_itself_while_an_earlier_drain_is_still_running(tmp_path: Path) -> None:
+    """The last save fails (no space) while the drain of an earlier one is held: wait() used to return False
+    before looking at the error, and the integrations then raised SaveTimeoutError("... FAILED ...") instead,
+    losing the error's type and cause."""
+    ckpt, gate, handle = _a_failed_save_behind_a_held_drain(tmp_path)
     try:
-        ckpt.save(1, _state())  # committed; its drain to "slow" waits at the gate
-        handle = ckpt.save_async(2, _state())
-        assert handle.wait(60) and handle.failed()
         with pytest.raises(tiersave.NoSpaceError, match="No space left") as raised:
             ckpt.wait(timeout=0.2)
         assert raised.value is handle._peek_error()  # the save's own error object, its cause kept
@@ -261,16 +267,8 @@ def test_a_failed_save_is_raised_as_itself_while_an_earlier_drain_is_still_runni
 
 def test_close_raises_a_failed_save_while_an_earlier_drain_is_still_running(tmp_path: Path) -> None:
     """close() used to only warn (a filterable warning) when the wait also timed out on a held drain."""
-    gate = threading.Event()
-    no_space = Fault("finish", nth=2, error=lambda: OSError(errno.ENOSPC, "No space left on device"))
-    fast = FaultyStorage(LocalStorage(tmp_path / "fast"), [no_space])
-    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
-    tiers = [tiersave.Tier(fast, name="fast"), tiersave.Tier(slow, name="slow")]
-    ckpt = tiersave.Checkpointer(tiers=tiers, event_log=False, handle_sigterm=False)
+    ckpt, gate, _ = _a_failed_save_behind_a_held_drain(tmp_path)
     try:
-        ckpt.save(1, _state())  # committed; its drain to "slow" waits at the gate
-        handle = ckpt.save_async(2, _state())
-        assert handle.wait(60) and handle.failed()
         with pytest.warns(tiersave.TiersaveWarning), pytest.raises(tiersave.SaveError, match="step 2"):
             ckpt.close(timeout=0.2)
     finally:
