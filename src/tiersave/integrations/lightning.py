@@ -222,9 +222,14 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 self._unreferenced.add(step)
 
     def teardown(self) -> None:
-        """Wait for the last save and its pointers, apply pending deletions, re-raise any failure."""
-        self.flush()
-        self._delete_unreferenced(wait=False)
+        """Wait for the last save and its pointers, apply pending deletions, re-raise any failure.
+
+        The deletions run even when the wait failed or timed out (e.g. on a slow drain): the steps no pointer
+        names would otherwise stay stored after the run."""
+        try:
+            self.flush()
+        finally:
+            self._delete_unreferenced(wait=False)
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
@@ -380,21 +385,22 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if errors:
             raise StorageError("; ".join(str(e) for e in errors)) from errors[0]
 
-    def _settled(self) -> bool:
-        """Before a save, whether deleting may run now: after the previous save's commit (which the new save
-        waits for anyway with ``on_busy="wait"``), and with no drain to a later tier or retention still
-        running, which a deletion could race. A slow drain defers the deletion; it does not fail the save."""
-        if self.checkpointer.on_busy == "wait":
-            for handle in list(self._handles.values()):
-                handle.wait(self.timeout_s)
-        return self.checkpointer.wait(0.0, raise_errors=False)
+    def _committed(self) -> bool:
+        """Before a save, whether the previous save has committed, so deleting may run now: waited for at most
+        ``timeout_s`` with ``on_busy="wait"`` (the new save waits for it anyway), not at all otherwise.
+
+        A drain to a later tier does not hold the deletion off: a slower tier's drain is busy nearly all the
+        time, and deferring to it kept every rotated checkpoint on the first tier. ``prune`` never deletes a
+        step being drained or read; the steps it keeps go back to ``self._unreferenced`` for the next try."""
+        timeout = self.timeout_s if self.checkpointer.on_busy == "wait" else 0.0
+        return all(handle.wait(timeout) for handle in list(self._handles.values()))
 
     def _delete_unreferenced(self, *, wait: bool) -> None:
         with self._lock:
             candidates = set(self._unreferenced)
         if not candidates:
             return
-        if wait and not self._settled():
+        if wait and not self._committed():
             return  # still in self._unreferenced: the next save or teardown deletes them
         with self._lock:
             named = {step for step, job in self._jobs if not job.done()}
