@@ -417,6 +417,39 @@ def test_a_slow_drain_does_not_hold_off_deletions_nor_make_teardown_drop_them(tm
         io.close()
 
 
+def test_a_skipped_save_keeps_the_old_pointer_and_its_checkpoint(tmp_path):
+    """on_busy="skip": the skipped step is not stored, so last.ckpt must keep naming the step it named
+    (it used to be pointed at the skipped step, and the step it replaced was deleted)."""
+    gate = threading.Event()
+    gate.set()
+    storage = FaultyStorage(LocalStorage(tmp_path / "root"), gates={"finish": gate})
+    io = TiersaveCheckpointIO(tiersave.Checkpointer(storage, on_busy="skip", handle_sigterm=False), timeout_s=60.0)
+    last, other = tmp_path / "ckpt" / "last.ckpt", tmp_path / "ckpt" / "a.ckpt"
+    w = torch.rand(64)
+    try:
+        io.save_checkpoint({"global_step": 1, "w": w}, last)
+        io.flush()
+        assert read_pointer(last) == 1
+        gate.clear()  # the save of step 2 stays in flight: the next one is skipped
+        io.save_checkpoint({"global_step": 2, "w": torch.rand(64)}, other)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            io.save_checkpoint({"global_step": 3, "w": torch.rand(64)}, last)
+        messages = [str(c.message) for c in caught]
+        assert any("step 3 was skipped" in m and f"no pointer is written at {last}" in m for m in messages), messages
+        assert io.checkpointer.skipped_saves == 1
+        gate.set()
+        io.flush()
+        assert read_pointer(last) == 1 and read_pointer(other) == 2
+        io.save_checkpoint({"global_step": 4, "w": torch.rand(64)}, other)  # a save applies pending deletions
+        io.flush()
+        assert torch.equal(io.load_checkpoint(last)["w"], w)
+        assert {c.step for c in io.checkpointer.list()} >= {1, 4}
+    finally:
+        gate.set()
+        io.close()
+
+
 EXIT_WITH_A_POINTER_WAITING = """
 import threading, torch, tiersave
 from tiersave.integrations.lightning import TiersaveCheckpointIO

@@ -151,6 +151,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self._errors: list[BaseException] = []  # pointer writes that failed, raised by the next call
         self._closing = threading.Event()  # set by close(): pointer writes still waiting give up
         self._writer: DaemonThreadPool | None = None  # daemon: a write waiting for a commit never delays exit
+        self._warned_skip = False  # on_busy="skip" skipped a save: warned once
 
     # -- CheckpointIO contract ---------------------------------------------------------------------
 
@@ -179,13 +180,17 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             if self.rng:
                 state[RNG_KEY] = RNGState()
             # A save that fails here raises here; whatever failed before it is reported by save_async too.
-            self._handles = {}
+            previous, self._handles = self._handles, {}
             handle = self.checkpointer.save_async(
                 step,
                 state,
                 metrics=_metrics(checkpoint),
                 metadata={"writer": "tiersave.integrations.lightning", "path": os.fspath(target)},
             )
+            if handle.skipped:  # on_busy="skip": nothing stored, so no pointer may name this step
+                self._handles = previous  # the save in flight is still the one to wait for
+                self._skipped(target, step)
+                return
             self._handles = {step: handle}  # only the newest can be asked for again
         self._point(target, step, handle)
 
@@ -366,6 +371,22 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             raise
         if replaced is not None and replaced != step:
             self._unreferenced.add(replaced)
+
+    def _skipped(self, target: Path, step: int) -> None:
+        """A save skipped by ``on_busy="skip"``: its pointer is not written, and a pointer already at ``target``
+        keeps naming its stored checkpoint (which is therefore kept). Warned once per plugin; the checkpointer
+        warns at each skip and counts them in ``skipped_saves``."""
+        if self._warned_skip:
+            return
+        self._warned_skip = True
+        warnings.warn(
+            f"tiersave: the save of step {step} was skipped (on_busy='skip': an earlier save was still being "
+            f"written), so no pointer is written at {target}; an existing pointer there keeps naming its older "
+            "step, and Lightning may list a .ckpt that does not exist. Use on_busy='wait' to store every save "
+            "Lightning asks for (warned once)",
+            TiersaveWarning,
+            stacklevel=3,
+        )
 
     def _timed_out(self) -> SaveTimeoutError:
         """The checkpointer's wait timed out: what did not finish (a save, or a committed save's drain)."""
