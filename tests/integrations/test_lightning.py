@@ -263,6 +263,27 @@ def test_close_gives_up_a_pointer_whose_save_never_committed_and_says_so(tmp_pat
     assert not target.exists()
 
 
+def test_close_does_not_name_a_pointer_whose_save_committed(tmp_path):
+    """The save is committed and only its pointer write is held (a slow local disk): the write goes on after
+    close() and lands, so close()'s warning must not call it unwritten (it named every write not done)."""
+    io = GatedPointers(tiersave.Checkpointer(tmp_path / "root", handle_sigterm=False), timeout_s=0.3)
+    target = tmp_path / "ckpt" / "a.ckpt"
+    try:
+        io.save_checkpoint({"global_step": 5, "w": torch.rand(64)}, target)
+        assert io.checkpointer.wait(60)
+        job = io._jobs[0][1]
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with pytest.raises(tiersave.SaveTimeoutError, match="pointer of step 5 was not written"):
+                io.close()
+        messages = [str(w.message) for w in said]
+        assert not any("were not written" in m for m in messages), messages
+        io.gate.set()
+        assert job.exception(60) is None and read_pointer(target) == 5
+    finally:
+        io.gate.set()
+
+
 def test_flush_spends_timeout_s_once_for_the_saves_and_the_pointers(tmp_path, monkeypatch):
     """The pointers' deadline starts before the checkpointer's wait, not after it (up to twice timeout_s)."""
     import tiersave.integrations.lightning as plugin

@@ -63,6 +63,7 @@ __all__ = ["POINTER_FORMAT", "TiersaveCheckpointIO", "read_pointer"]
 POINTER_FORMAT = "tiersave-lightning-pointer"
 _METRIC_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-/]{0,127}$")  # what save(metrics=...) accepts
 _POLL_S = 0.25  # how often a pointer write waiting for its commit looks whether the plugin was closed
+_CLOSE_GRACE_S = 2.0  # at most this long close() lets queued pointer writes run before naming the unwritten
 RNG_KEY = "tiersave_rng"
 """Key under which the global RNG states (Python, numpy, torch, CUDA) are stored next to Lightning's dict:
 Lightning does not save them, and the next epoch's shuffling and dropout depend on them."""
@@ -143,7 +144,8 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self.timeout_s = float(timeout_s if timeout_s is not None else self.checkpointer.exit_timeout_s)
         self._lock = threading.Lock()
         self._handles: dict[int, SaveHandle] = {}  # steps this plugin saved, by step
-        self._jobs: list[tuple[int, Future[None]]] = []  # pointer writes waiting for their commit
+        self._jobs: list[tuple[int, Future[None], SaveHandle]] = []  # pointer writes waiting for their commit
+        self._given_up: set[int] = set()  # steps whose pointer write gave up at close(): not committed
         self._unreferenced: set[int] = set()  # steps whose pointer went away: delete unless named again
         self._unwritten: dict[Path, int] = {}  # pointers queued and not yet written: pending writes per path
         self._removed: set[Path] = set()  # pointers Lightning removed before their queued write ran
@@ -246,8 +248,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             self.teardown()
         finally:
             self._closing.set()
-            with self._lock:
-                left = sorted({step for step, job in self._jobs if not job.done()})
+            left = self._unwritten_at_close()
             if left:
                 warnings.warn(
                     f"tiersave: the .ckpt pointers of step(s) {left} were not written: TiersaveCheckpointIO was "
@@ -287,7 +288,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if not finished:
             raise self._timed_out() if drains else self._not_committed(late[0])
         with self._lock:
-            jobs = list(self._jobs)
+            jobs = [(step, job) for step, job, _ in self._jobs]
         try:
             for step, job in jobs:
                 try:
@@ -300,7 +301,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
                     ) from None
         finally:  # only what is written leaves the list: a pending write is waited for by the next flush
             with self._lock:
-                self._jobs = [(step, job) for step, job in self._jobs if not job.done()]
+                self._jobs = [entry for entry in self._jobs if not entry[1].done()]
         self._raise_error()
 
     # -- pointers ----------------------------------------------------------------------------------
@@ -320,7 +321,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             self._removed.discard(target)  # saved again under the same name: the newest pointer stands
         job = self._writer.submit(self._write_pointer, target, step, handle)
         with self._lock:
-            self._jobs.append((step, job))
+            self._jobs.append((step, job, handle))
             self._dirs.add(os.fspath(target.parent))
 
     def _write_pointer(self, target: Path, step: int, handle: SaveHandle) -> None:
@@ -329,6 +330,8 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             # only close() gives up (and says so), since nothing would then write it.
             while not handle.wait(_POLL_S):
                 if self._closing.is_set():
+                    with self._lock:
+                        self._given_up.add(step)
                     return
             if handle.failed():
                 return  # the save's own error reaches the caller through the checkpointer
@@ -388,6 +391,25 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             stacklevel=3,
         )
 
+    def _unwritten_at_close(self) -> list[int]:
+        """Once ``self._closing`` is set, the steps whose pointers will not be written: the writes that gave
+        up, and those still queued whose save has not committed. The writer first gets a short bounded chance
+        to reach the queued writes (each gives up within ``_POLL_S``), so a pointer whose save committed in
+        the meantime is written and not named."""
+        with self._lock:
+            pending = [job for _, job, _ in self._jobs if not job.done()]
+        deadline = time.monotonic() + min(_CLOSE_GRACE_S, _POLL_S * (len(pending) + 1))
+        for job in pending:
+            try:
+                job.result(max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                break
+            except Exception:  # a failed write is in self._errors (raised by the next call), not unwritten
+                continue
+        with self._lock:
+            late = {step for step, job, handle in self._jobs if not job.done() and not handle.done()}
+            return sorted(self._given_up | late)
+
     def _timed_out(self) -> SaveTimeoutError:
         """The checkpointer's wait timed out: what did not finish (a save, or a committed save's drain)."""
         return SaveTimeoutError(after_timeout(self.checkpointer, f"within {self.timeout_s:g} s")[1])
@@ -424,7 +446,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if wait and not self._committed():
             return  # still in self._unreferenced: the next save or teardown deletes them
         with self._lock:
-            named = {step for step, job in self._jobs if not job.done()}
+            named = {step for step, job, _ in self._jobs if not job.done()}
             dirs = list(self._dirs)
         for directory in dirs:
             for entry in Path(directory).glob("*"):
