@@ -263,6 +263,27 @@ def test_close_gives_up_a_pointer_whose_save_never_committed_and_says_so(tmp_pat
     assert not target.exists()
 
 
+def test_close_does_not_name_a_pointer_whose_save_committed(tmp_path):
+    """The save is committed and only its pointer write is held (a slow local disk): the write goes on after
+    close() and lands, so close()'s warning must not call it unwritten (it named every write not done)."""
+    io = GatedPointers(tiersave.Checkpointer(tmp_path / "root", handle_sigterm=False), timeout_s=0.3)
+    target = tmp_path / "ckpt" / "a.ckpt"
+    try:
+        io.save_checkpoint({"global_step": 5, "w": torch.rand(64)}, target)
+        assert io.checkpointer.wait(60)
+        job = io._jobs[0][1]
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with pytest.raises(tiersave.SaveTimeoutError, match="pointer of step 5 was not written"):
+                io.close()
+        messages = [str(w.message) for w in said]
+        assert not any("were not written" in m for m in messages), messages
+        io.gate.set()
+        assert job.exception(60) is None and read_pointer(target) == 5
+    finally:
+        io.gate.set()
+
+
 def test_flush_spends_timeout_s_once_for_the_saves_and_the_pointers(tmp_path, monkeypatch):
     """The pointers' deadline starts before the checkpointer's wait, not after it (up to twice timeout_s)."""
     import tiersave.integrations.lightning as plugin
@@ -383,23 +404,70 @@ def test_a_load_of_a_save_that_has_not_committed_says_so(tmp_path):
         io.close()
 
 
-def test_a_slow_drain_defers_the_deletion_and_does_not_fail_the_next_save(tmp_path):
+def _fast_steps(io: TiersaveCheckpointIO) -> set[int]:
+    return {c.step for c in io.checkpointer.list() if "fast" in c.tiers}
+
+
+def test_a_slow_drain_does_not_hold_off_deletions_nor_make_teardown_drop_them(tmp_path):
+    """A later tier slower than the saves is busy nearly all the time: deletions used to wait for it, so
+    the first tier kept every rotated checkpoint, and teardown (timed out on the drain) then dropped them."""
     gate = threading.Event()
     io = _with_a_gated_drain(tmp_path, gate)
-    first, second = tmp_path / "ckpt" / "a.ckpt", tmp_path / "ckpt" / "b.ckpt"
+    paths = [tmp_path / "ckpt" / f"{step}.ckpt" for step in range(7)]
     try:
-        io.save_checkpoint({"global_step": 1, "w": torch.rand(64)}, first)
-        assert io._jobs[0][1].exception(60) is None and read_pointer(first) == 1  # committed, pointer written
-        io.remove_checkpoint(first)  # step 1 is no longer named: deleted once the saves settle
-        io.save_checkpoint({"global_step": 2, "w": torch.rand(64)}, second)  # used to raise SaveTimeoutError
-        assert 1 in {c.step for c in io.checkpointer.list()}  # deferred while step 1's drain is held
+        for step in range(1, 7):  # ModelCheckpoint(save_top_k=1): save the new one, remove the old pointer
+            io.save_checkpoint({"global_step": step, "w": torch.rand(64)}, paths[step])
+            assert io._jobs[-1][1].exception(60) is None  # committed on "fast", pointer written
+            if step > 1:
+                io.remove_checkpoint(paths[step - 1])
+            assert io._handles[step].wait(60) and not gate.is_set()
+        # Step 1's drain to "slow" is held at the gate and a catch-up step may be queued behind it: prune
+        # keeps those (kept for a later try); the other rotated steps are gone (all six used to stay).
+        assert not _fast_steps(io) & {2, 3}, _fast_steps(io)
+        with pytest.raises(tiersave.SaveTimeoutError):
+            io.teardown()  # the drain is still held: flush times out, the deletions run all the same
+        left = _fast_steps(io)
+        assert not left & {2, 3, 5} and left - {6} <= io._unreferenced, (left, io._unreferenced)
         gate.set()
         io.timeout_s = 60.0
         io.teardown()
-        assert {c.step for c in io.checkpointer.list()} == {2}
+        assert _fast_steps(io) == {6} and read_pointer(paths[6]) == 6
     finally:
         gate.set()
         io.timeout_s = 60.0
+        io.close()
+
+
+def test_a_skipped_save_keeps_the_old_pointer_and_its_checkpoint(tmp_path):
+    """on_busy="skip": the skipped step is not stored, so last.ckpt must keep naming the step it named
+    (it used to be pointed at the skipped step, and the step it replaced was deleted)."""
+    gate = threading.Event()
+    gate.set()
+    storage = FaultyStorage(LocalStorage(tmp_path / "root"), gates={"finish": gate})
+    io = TiersaveCheckpointIO(tiersave.Checkpointer(storage, on_busy="skip", handle_sigterm=False), timeout_s=60.0)
+    last, other = tmp_path / "ckpt" / "last.ckpt", tmp_path / "ckpt" / "a.ckpt"
+    w = torch.rand(64)
+    try:
+        io.save_checkpoint({"global_step": 1, "w": w}, last)
+        io.flush()
+        assert read_pointer(last) == 1
+        gate.clear()  # the save of step 2 stays in flight: the next one is skipped
+        io.save_checkpoint({"global_step": 2, "w": torch.rand(64)}, other)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            io.save_checkpoint({"global_step": 3, "w": torch.rand(64)}, last)
+        messages = [str(c.message) for c in caught]
+        assert any("step 3 was skipped" in m and f"no pointer is written at {last}" in m for m in messages), messages
+        assert io.checkpointer.skipped_saves == 1
+        gate.set()
+        io.flush()
+        assert read_pointer(last) == 1 and read_pointer(other) == 2
+        io.save_checkpoint({"global_step": 4, "w": torch.rand(64)}, other)  # a save applies pending deletions
+        io.flush()
+        assert torch.equal(io.load_checkpoint(last)["w"], w)
+        assert {c.step for c in io.checkpointer.list()} >= {1, 4}
+    finally:
+        gate.set()
         io.close()
 
 

@@ -63,6 +63,7 @@ __all__ = ["POINTER_FORMAT", "TiersaveCheckpointIO", "read_pointer"]
 POINTER_FORMAT = "tiersave-lightning-pointer"
 _METRIC_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-/]{0,127}$")  # what save(metrics=...) accepts
 _POLL_S = 0.25  # how often a pointer write waiting for its commit looks whether the plugin was closed
+_CLOSE_GRACE_S = 2.0  # at most this long close() lets queued pointer writes run before naming the unwritten
 RNG_KEY = "tiersave_rng"
 """Key under which the global RNG states (Python, numpy, torch, CUDA) are stored next to Lightning's dict:
 Lightning does not save them, and the next epoch's shuffling and dropout depend on them."""
@@ -143,7 +144,8 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self.timeout_s = float(timeout_s if timeout_s is not None else self.checkpointer.exit_timeout_s)
         self._lock = threading.Lock()
         self._handles: dict[int, SaveHandle] = {}  # steps this plugin saved, by step
-        self._jobs: list[tuple[int, Future[None]]] = []  # pointer writes waiting for their commit
+        self._jobs: list[tuple[int, Future[None], SaveHandle]] = []  # pointer writes waiting for their commit
+        self._given_up: set[int] = set()  # steps whose pointer write gave up at close(): not committed
         self._unreferenced: set[int] = set()  # steps whose pointer went away: delete unless named again
         self._unwritten: dict[Path, int] = {}  # pointers queued and not yet written: pending writes per path
         self._removed: set[Path] = set()  # pointers Lightning removed before their queued write ran
@@ -151,6 +153,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self._errors: list[BaseException] = []  # pointer writes that failed, raised by the next call
         self._closing = threading.Event()  # set by close(): pointer writes still waiting give up
         self._writer: DaemonThreadPool | None = None  # daemon: a write waiting for a commit never delays exit
+        self._warned_skip = False  # on_busy="skip" skipped a save: warned once
 
     # -- CheckpointIO contract ---------------------------------------------------------------------
 
@@ -179,13 +182,17 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             if self.rng:
                 state[RNG_KEY] = RNGState()
             # A save that fails here raises here; whatever failed before it is reported by save_async too.
-            self._handles = {}
+            previous, self._handles = self._handles, {}
             handle = self.checkpointer.save_async(
                 step,
                 state,
                 metrics=_metrics(checkpoint),
                 metadata={"writer": "tiersave.integrations.lightning", "path": os.fspath(target)},
             )
+            if handle.skipped:  # on_busy="skip": nothing stored, so no pointer may name this step
+                self._handles = previous  # the save in flight is still the one to wait for
+                self._skipped(target, step)
+                return
             self._handles = {step: handle}  # only the newest can be asked for again
         self._point(target, step, handle)
 
@@ -222,9 +229,14 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 self._unreferenced.add(step)
 
     def teardown(self) -> None:
-        """Wait for the last save and its pointers, apply pending deletions, re-raise any failure."""
-        self.flush()
-        self._delete_unreferenced(wait=False)
+        """Wait for the last save and its pointers, apply pending deletions, re-raise any failure.
+
+        The deletions run even when the wait failed or timed out (e.g. on a slow drain): the steps no pointer
+        names would otherwise stay stored after the run."""
+        try:
+            self.flush()
+        finally:
+            self._delete_unreferenced(wait=False)
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
@@ -236,8 +248,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             self.teardown()
         finally:
             self._closing.set()
-            with self._lock:
-                left = sorted({step for step, job in self._jobs if not job.done()})
+            left = self._unwritten_at_close()
             if left:
                 warnings.warn(
                     f"tiersave: the .ckpt pointers of step(s) {left} were not written: TiersaveCheckpointIO was "
@@ -277,7 +288,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if not finished:
             raise self._timed_out() if drains else self._not_committed(late[0])
         with self._lock:
-            jobs = list(self._jobs)
+            jobs = [(step, job) for step, job, _ in self._jobs]
         try:
             for step, job in jobs:
                 try:
@@ -290,7 +301,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
                     ) from None
         finally:  # only what is written leaves the list: a pending write is waited for by the next flush
             with self._lock:
-                self._jobs = [(step, job) for step, job in self._jobs if not job.done()]
+                self._jobs = [entry for entry in self._jobs if not entry[1].done()]
         self._raise_error()
 
     # -- pointers ----------------------------------------------------------------------------------
@@ -310,7 +321,7 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             self._removed.discard(target)  # saved again under the same name: the newest pointer stands
         job = self._writer.submit(self._write_pointer, target, step, handle)
         with self._lock:
-            self._jobs.append((step, job))
+            self._jobs.append((step, job, handle))
             self._dirs.add(os.fspath(target.parent))
 
     def _write_pointer(self, target: Path, step: int, handle: SaveHandle) -> None:
@@ -319,6 +330,8 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             # only close() gives up (and says so), since nothing would then write it.
             while not handle.wait(_POLL_S):
                 if self._closing.is_set():
+                    with self._lock:
+                        self._given_up.add(step)
                     return
             if handle.failed():
                 return  # the save's own error reaches the caller through the checkpointer
@@ -362,6 +375,41 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if replaced is not None and replaced != step:
             self._unreferenced.add(replaced)
 
+    def _skipped(self, target: Path, step: int) -> None:
+        """A save skipped by ``on_busy="skip"``: its pointer is not written, and a pointer already at ``target``
+        keeps naming its stored checkpoint (which is therefore kept). Warned once per plugin; the checkpointer
+        warns at each skip and counts them in ``skipped_saves``."""
+        if self._warned_skip:
+            return
+        self._warned_skip = True
+        warnings.warn(
+            f"tiersave: the save of step {step} was skipped (on_busy='skip': an earlier save was still being "
+            f"written), so no pointer is written at {target}; an existing pointer there keeps naming its older "
+            "step, and Lightning may list a .ckpt that does not exist. Use on_busy='wait' to store every save "
+            "Lightning asks for (warned once)",
+            TiersaveWarning,
+            stacklevel=3,
+        )
+
+    def _unwritten_at_close(self) -> list[int]:
+        """Once ``self._closing`` is set, the steps whose pointers will not be written: the writes that gave
+        up, and those still queued whose save has not committed. The writer first gets a short bounded chance
+        to reach the queued writes (each gives up within ``_POLL_S``), so a pointer whose save committed in
+        the meantime is written and not named."""
+        with self._lock:
+            pending = [job for _, job, _ in self._jobs if not job.done()]
+        deadline = time.monotonic() + min(_CLOSE_GRACE_S, _POLL_S * (len(pending) + 1))
+        for job in pending:
+            try:
+                job.result(max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                break
+            except Exception:  # a failed write is in self._errors (raised by the next call), not unwritten
+                continue
+        with self._lock:
+            late = {step for step, job, handle in self._jobs if not job.done() and not handle.done()}
+            return sorted(self._given_up | late)
+
     def _timed_out(self) -> SaveTimeoutError:
         """The checkpointer's wait timed out: what did not finish (a save, or a committed save's drain)."""
         return SaveTimeoutError(after_timeout(self.checkpointer, f"within {self.timeout_s:g} s")[1])
@@ -380,24 +428,25 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if errors:
             raise StorageError("; ".join(str(e) for e in errors)) from errors[0]
 
-    def _settled(self) -> bool:
-        """Before a save, whether deleting may run now: after the previous save's commit (which the new save
-        waits for anyway with ``on_busy="wait"``), and with no drain to a later tier or retention still
-        running, which a deletion could race. A slow drain defers the deletion; it does not fail the save."""
-        if self.checkpointer.on_busy == "wait":
-            for handle in list(self._handles.values()):
-                handle.wait(self.timeout_s)
-        return self.checkpointer.wait(0.0, raise_errors=False)
+    def _committed(self) -> bool:
+        """Before a save, whether the previous save has committed, so deleting may run now: waited for at most
+        ``timeout_s`` with ``on_busy="wait"`` (the new save waits for it anyway), not at all otherwise.
+
+        A drain to a later tier does not hold the deletion off: a slower tier's drain is busy nearly all the
+        time, and deferring to it kept every rotated checkpoint on the first tier. ``prune`` never deletes a
+        step being drained or read; the steps it keeps go back to ``self._unreferenced`` for the next try."""
+        timeout = self.timeout_s if self.checkpointer.on_busy == "wait" else 0.0
+        return all(handle.wait(timeout) for handle in list(self._handles.values()))
 
     def _delete_unreferenced(self, *, wait: bool) -> None:
         with self._lock:
             candidates = set(self._unreferenced)
         if not candidates:
             return
-        if wait and not self._settled():
+        if wait and not self._committed():
             return  # still in self._unreferenced: the next save or teardown deletes them
         with self._lock:
-            named = {step for step, job in self._jobs if not job.done()}
+            named = {step for step, job, _ in self._jobs if not job.done()}
             dirs = list(self._dirs)
         for directory in dirs:
             for entry in Path(directory).glob("*"):
