@@ -47,7 +47,6 @@ from .errors import ClosedError, ConfigError, SaveError, TiersaveWarning
 from .format.layout import MAX_CHUNK_BYTES
 from .handle import SaveHandle
 from .lazy import Guard
-from .partdrain import PartDrains
 from .partial import Selection
 from .planner.schedule import SaveCost, Schedule, parse_schedule
 from .policy import RetentionPolicy
@@ -508,24 +507,8 @@ def _warn_unfinished(outcome: _lifecycle.WaitOutcome | None, uri: str) -> None:
 def _follow_ups(committer: DaemonThreadPool, chain: TierChain) -> builtins.list[tuple[str, Executor]]:
     """The single-threaded queues that a committed save's follow-up runs on, in the order they hand work on (the
     commit thread queues the drains and the removals), each named for a message saying it did not finish."""
-    first = chain.first
-    out: builtins.list[tuple[str, Executor]] = [
-        (f"the retention of tier {first.name} (what it would delete stays until a later retention)", committer)
-    ]
-    out += [
-        (f"the drain to tier {t.name} ({t.storage.uri}), which lacks the step it copies", t.drainer)
-        for t in chain.tiers
-        if t.drainer is not None
-    ]
-    for companion in chain.companions:
-        if companion is chain.reclaimer:
-            what = f"the removal of deleted checkpoints' files from {first.storage.uri} (a later retention does it)"
-        elif isinstance(companion, PartDrains):
-            what = "the drain of this node's part to later tiers, which lack the step it copies"
-        else:
-            what = f"the replication of tier {first.name} to its peers' memory"
-        out += [(what, pool) for pool in companion.pools()]
-    return out
+    retention = f"the retention of tier {chain.first.name} (what it would delete stays until a later retention)"
+    return [(retention, committer), *chain.follow_ups()]
 
 
 def _prune_policy(keep_last: int | None, policy: RetentionPolicy | str | None) -> RetentionPolicy | None:

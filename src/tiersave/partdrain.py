@@ -437,6 +437,9 @@ class PartDrains:
     def pools(self) -> builtins.list[DaemonThreadPool]:
         return list(self._pools.values())
 
+    def follow_up(self, first: Any) -> str:
+        return "the drain of this node's part to later tiers, which lack the step it copies"
+
     def close(self, wait: bool = True) -> None:
         """Stop: a wait for the nodes' records ends at once (the Checkpointer waited for the drains first, as long
         as it was asked to); with ``wait``, the drain threads are joined."""

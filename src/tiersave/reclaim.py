@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import builtins
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .engine.pool import DaemonThreadPool
 from .errors import ClosedError
@@ -63,6 +63,9 @@ class Reclaimer:
 
     def pools(self) -> builtins.list[DaemonThreadPool]:
         return [self._pool]
+
+    def follow_up(self, first: Any) -> str:
+        return f"the removal of deleted checkpoints' files from {first.storage.uri} (a later retention does it)"
 
     def close(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait)

@@ -264,6 +264,9 @@ class Replicas:
     def pools(self) -> list[DaemonThreadPool]:
         return [self._pool] if self._pool is not None else []
 
+    def follow_up(self, first: Any) -> str:
+        return f"the replication of tier {first.name} to its peers' memory"
+
     def close(self, wait: bool = True) -> None:
         """Wait for replication in flight (``wait``): this node's, then, in one exchange with every rank (all
         close their Checkpointer), every other node's, whose holders may be pulling from this node or into it;

@@ -229,6 +229,8 @@ class Companion(Protocol):
 
     def pools(self) -> builtins.list[DaemonThreadPool]: ...
 
+    def follow_up(self, first: TierRuntime) -> str: ...  # what its pools do, for "it did not finish" words
+
     def close(self, wait: bool = True) -> None: ...
 
 
@@ -340,10 +342,15 @@ class TierChain:
             if policy is not None:
                 policy.ensure_calibrated()
 
-    def background_pools(self) -> builtins.list[DaemonThreadPool]:
-        """The drain threads, whose queues ``Checkpointer.wait`` waits out."""
-        pools = [t.drainer for t in self.tiers if t.drainer is not None]
-        return pools + [p for c in self.companions for p in c.pools()]
+    def follow_ups(self) -> builtins.list[tuple[str, DaemonThreadPool]]:
+        """The drain and companion threads, whose queues ``Checkpointer.wait`` waits out, in the order they hand
+        work on, each named for a message saying it did not finish."""
+        out = [
+            (f"the drain to tier {t.name} ({t.storage.uri}), which lacks the step it copies", t.drainer)
+            for t in self.tiers
+            if t.drainer is not None
+        ]
+        return out + [(c.follow_up(self.first), pool) for c in self.companions for pool in c.pools()]
 
     # -- listing ----------------------------------------------------------------------------------
 
