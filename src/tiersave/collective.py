@@ -487,7 +487,10 @@ def rank_view(manifest: Manifest, rank: int | None, world_size: int) -> Manifest
     assert rank is not None
     key = rank_key(rank)
     prefix = key + "/"
-    tree = manifest.tree.get(key) if isinstance(manifest.tree, dict) and manifest.part is None else manifest.tree
+    if manifest.part is None:  # the whole tree: the rank's own subtree (a tree that is no dict has none)
+        tree = manifest.tree.get(key) if isinstance(manifest.tree, dict) else None
+    else:  # a view: the rank's subtree already
+        tree = manifest.tree
     if tree is None or manifest.part not in (None, rank):
         raise CorruptCheckpointError(
             f"step {manifest.step}: the manifest has no state for rank {rank}", step=manifest.step

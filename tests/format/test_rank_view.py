@@ -197,3 +197,11 @@ def test_a_view_counts_its_subtrees_depth_from_the_whole_trees_root(small):
         Manifest.parse(data, path="m")
     with pytest.raises(FormatError, match="nested deeper"):
         Manifest.parse(data, path="m", part=view_part(0, 3))
+
+
+def test_a_whole_tree_that_is_no_dict_has_no_state_for_any_rank():
+    # a whole manifest of several ranks whose tree is not a dict of rank subtrees (forged or foreign): no rank
+    # may take the whole tree as its own
+    whole = Manifest(step=1, shards=(), tensors={}, tree=[1, 2], world_size=3)
+    with pytest.raises(CorruptCheckpointError, match="no state for rank 1"):
+        rank_view(whole, 1, 3)
