@@ -315,7 +315,7 @@ class Restore:
         self.node = node  # the ranks of this machine (a collective restore): they split the replicated checks
         self.rank = rank
         self.split: splitverify.Split | None = None
-        self.done: tuple[Any, int, int] | None = None  # finish()'s result
+        self._done: tuple[Any, int, int] | None = None  # finish()'s result
         self._pool: Executor | None = None
         self._read: tuple[Any, dict[str, torch.Tensor | np.ndarray], dict[str, list[Target]], list[ReadRequest]] | None
         self._read = None
@@ -335,12 +335,12 @@ class Restore:
     def finish(self) -> tuple[Any, int, int]:
         """Copy what was not read in place into the live tensors and load the tree into the live state, once: a
         later call (a restore that finished before the ranks' agreement) returns the first call's result."""
-        if self.done is not None:
-            return self.done
+        if self._done is not None:
+            return self._done
         with paused_gc():
-            self.done = self._finish()
+            self._done = self._finish()
         self._read = None  # the destinations are the result's now: no reference to them from this job
-        return self.done
+        return self._done
 
     def verify_unchecked(self) -> None:
         """Check the bytes read unchecked (left to another rank of the machine) in memory, here.
