@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from .methods import Method, SaveTiming, State
+from .methods import Method, SaveTiming, State, _durable_file_save
 
 __all__ = ["REFERENCES", "SharedBuffer", "make_reference"]
 
@@ -152,27 +152,22 @@ class PlainWriteMethod(Method):
 
     def save(self, index: int, state: State) -> SaveTiming:
         path = self.root / f"plain-{index}.bin"
-        start = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            for t in state.values():
-                src = t.detach().contiguous()  # the state's tensors are; a copy otherwise, held while written
-                view = memoryview((ctypes.c_char * src.nbytes).from_address(src.data_ptr())).cast("B")
-                while view:
-                    view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-        seconds = time.perf_counter() - start
-        return SaveTiming(seconds, seconds)
+        return _durable_file_save(lambda: _write_plain(path, state), path)
 
     def load(self, index: int, variant: str, template: State) -> tuple[float, State]:
         raise ConfigError("plain-write is a write reference: nothing to load")
+
+
+def _write_plain(path: Path, state: State) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        for t in state.values():
+            src = t.detach().contiguous()  # the state's tensors are; a copy otherwise, held while written
+            view = memoryview((ctypes.c_char * src.nbytes).from_address(src.data_ptr())).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def make_reference(name: str, buffer: SharedBuffer) -> Method:
