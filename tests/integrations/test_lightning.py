@@ -223,8 +223,7 @@ def test_a_save_that_commits_after_the_timeout_still_gets_its_pointer(tmp_path):
     written once the save commits, and the next save_checkpoint does not crash training (the write used to be
     dropped after ``timeout_s`` and the next save_checkpoint raised StorageError)."""
     gate = threading.Event()
-    storage = FaultyStorage(LocalStorage(tmp_path / "root"), gates={"finish": gate})
-    io = TiersaveCheckpointIO(tiersave.Checkpointer(storage, handle_sigterm=False), timeout_s=0.3)
+    io = _with_a_gated_commit(tmp_path, gate)
     first, second = tmp_path / "ckpt" / "a.ckpt", tmp_path / "ckpt" / "b.ckpt"
     try:
         io.save_checkpoint({"global_step": 2, "w": torch.rand(64)}, first)
@@ -245,8 +244,7 @@ def test_a_save_that_commits_after_the_timeout_still_gets_its_pointer(tmp_path):
 
 def test_close_gives_up_a_pointer_whose_save_never_committed_and_says_so(tmp_path):
     gate = threading.Event()
-    storage = FaultyStorage(LocalStorage(tmp_path / "root"), gates={"finish": gate})
-    io = TiersaveCheckpointIO(tiersave.Checkpointer(storage, handle_sigterm=False), timeout_s=0.3)
+    io = _with_a_gated_commit(tmp_path, gate)
     target = tmp_path / "ckpt" / "a.ckpt"
     try:
         io.save_checkpoint({"global_step": 2, "w": torch.rand(64)}, target)
@@ -310,6 +308,12 @@ def test_flush_spends_timeout_s_once_for_the_saves_and_the_pointers(tmp_path, mo
         io.gate.set()
         io.timeout_s = 60.0
         io.close()
+
+
+def _with_a_gated_commit(tmp_path: Path, gate: threading.Event) -> TiersaveCheckpointIO:
+    """A plugin (timeout_s=0.3) over one tier whose saves commit only once ``gate`` is set."""
+    storage = FaultyStorage(LocalStorage(tmp_path / "root"), gates={"finish": gate})
+    return TiersaveCheckpointIO(tiersave.Checkpointer(storage, handle_sigterm=False), timeout_s=0.3)
 
 
 def _with_a_gated_drain(tmp_path: Path, gate: threading.Event, fast: Any = None) -> TiersaveCheckpointIO:
@@ -391,8 +395,7 @@ def test_a_load_waits_for_the_commit_and_the_pointer_not_for_a_slow_drain(tmp_pa
 
 def test_a_load_of_a_save_that_has_not_committed_says_so(tmp_path):
     gate = threading.Event()
-    storage = FaultyStorage(LocalStorage(tmp_path / "root"), gates={"finish": gate})
-    io = TiersaveCheckpointIO(tiersave.Checkpointer(storage, handle_sigterm=False), timeout_s=0.3)
+    io = _with_a_gated_commit(tmp_path, gate)
     target = tmp_path / "ckpt" / "a.ckpt"
     try:
         io.save_checkpoint({"global_step": 3, "w": torch.rand(64)}, target)
