@@ -12,6 +12,7 @@ import threading
 import time
 import types
 import warnings
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import tiersave  # noqa: E402
+import tiersave.integrations.lightning as plugin  # noqa: E402
 from tiersave.integrations.lightning import TiersaveCheckpointIO, read_pointer  # noqa: E402
 from tiersave.storage.posix import LocalStorage  # noqa: E402
 from tiersave.testing.faults import Fault, FaultyStorage  # noqa: E402
@@ -192,6 +194,48 @@ class GatedPointers(TiersaveCheckpointIO):
         super()._write_pointer(target, step, handle)
 
 
+def test_a_pointer_replaced_while_deletions_read_the_pointers_still_frees_its_old_step(tmp_path, monkeypatch):
+    """last.ckpt moves from step 1 to step 2 while the next save's deletion pass reads the pointers (it read
+    step 1 there): step 1 must still be deleted once nothing names it. The write used to put step 1 back
+    among the candidates just before the pass took them away, so it stayed stored for good (seen in CI)."""
+    io = GatedPointers(tiersave.Checkpointer(tmp_path / "root", handle_sigterm=False), timeout_s=60.0)
+    ckdir = tmp_path / "ckpt"
+    io.gate.set()
+    try:
+        for name in ("a", "last"):
+            io.save_checkpoint({"global_step": 1, "w": torch.rand(64)}, ckdir / f"{name}.ckpt")
+        io.teardown()
+        io.gate.clear()  # step 2's pointers wait at the gate
+        io.save_checkpoint({"global_step": 2, "w": torch.rand(64)}, ckdir / "b.ckpt")
+        io.remove_checkpoint(ckdir / "a.ckpt")  # ModelCheckpoint's rotation: step 1 is named by last.ckpt only
+        io.save_checkpoint({"global_step": 2, "w": torch.rand(64)}, ckdir / "last.ckpt")
+        assert io._handles[2].wait(60)
+        real, opened = plugin.read_pointer, []
+
+        def read_then_let_the_pointers_be_written(path: Any) -> int:
+            step = real(path)
+            if not opened:  # the pass has read last.ckpt (step 1): the queued writes may now run
+                opened.append(path)
+                io.gate.set()
+                for _, job, _ in list(io._jobs):
+                    try:
+                        job.result(1.0)  # they wait for the pass to finish; they used to run in it
+                    except FutureTimeout:
+                        pass
+            return step
+
+        monkeypatch.setattr(plugin, "read_pointer", read_then_let_the_pointers_be_written)
+        io.save_checkpoint({"global_step": 3, "w": torch.rand(64)}, ckdir / "c.ckpt")  # its deletion pass
+        monkeypatch.undo()
+        assert opened == [ckdir / "last.ckpt"]
+        io.teardown()
+        assert {p.name: read_pointer(p) for p in ckdir.glob("*.ckpt")} == {"b.ckpt": 2, "last.ckpt": 2, "c.ckpt": 3}
+        assert {c.step for c in io.checkpointer.list()} == {2, 3}
+    finally:
+        io.gate.set()
+        io.close()
+
+
 def test_a_flush_that_times_out_keeps_the_pointer_writes_for_the_next_flush(tmp_path):
     io = GatedPointers(tiersave.Checkpointer(tmp_path / "root", handle_sigterm=False), timeout_s=1.0)
     first, second = tmp_path / "ckpt" / "a.ckpt", tmp_path / "ckpt" / "last.ckpt"
@@ -284,7 +328,6 @@ def test_close_does_not_name_a_pointer_whose_save_committed(tmp_path):
 
 def test_flush_spends_timeout_s_once_for_the_saves_and_the_pointers(tmp_path, monkeypatch):
     """The pointers' deadline starts before the checkpointer's wait, not after it (up to twice timeout_s)."""
-    import tiersave.integrations.lightning as plugin
 
     io = GatedPointers(tiersave.Checkpointer(tmp_path / "root", handle_sigterm=False), timeout_s=30.0)
     try:

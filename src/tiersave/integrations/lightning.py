@@ -445,17 +445,18 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
             return
         if wait and not self._committed():
             return  # still in self._unreferenced: the next save or teardown deletes them
+        # Held while the pointers are read and the candidates taken: a pointer write (which holds it too)
+        # that replaces a step's last pointer in between would otherwise add that step back to
+        # self._unreferenced just before it is taken away, and it would stay stored for good.
         with self._lock:
             named = {step for step, job, _ in self._jobs if not job.done()}
-            dirs = list(self._dirs)
-        for directory in dirs:
-            for entry in Path(directory).glob("*"):
-                try:
-                    named.add(read_pointer(entry))
-                except (CheckpointNotFoundError, FormatError, OSError):
-                    continue
-        doomed = frozenset(candidates - named)
-        with self._lock:
+            for directory in self._dirs:
+                for entry in Path(directory).glob("*"):
+                    try:
+                        named.add(read_pointer(entry))
+                    except (CheckpointNotFoundError, FormatError, OSError):
+                        continue
+            doomed = frozenset(candidates - named)
             self._unreferenced -= candidates
         if doomed:
             deleted = self.checkpointer.prune(policy=_Without(doomed))
