@@ -359,6 +359,27 @@ def test_host_copier_splits_and_balances_copies_exactly():
         copier.close()
 
 
+def test_host_copier_checksums_what_it_copies_whole_and_split_over_threads():
+    import crc32c
+
+    from tiersave.engine.stage import HostCopier
+
+    src = torch.randint(0, 256, ((40 << 20) + 4097,), dtype=torch.uint8)
+    arena = torch.zeros((41 << 20,), dtype=torch.uint8)
+    view = arena.numpy().data.cast("B")
+    copier = HostCopier(threads=3)
+    try:
+        # sizes below one piece per thread, at a piece, across many fused steps, and split into three parts
+        for pos, n in ((0, 0), (4096, 1), (8192, 300_001), (0, 16 << 20), (4096, src.numel())):
+            arena.zero_()
+            crc = copier.copy_checksum(view, arena.data_ptr(), pos, src.data_ptr(), n)
+            assert torch.equal(arena[pos : pos + n], src[:n]), (pos, n)
+            assert not arena[:pos].any() and not arena[pos + n :].any(), (pos, n)
+            assert crc == crc32c.crc32c(src[:n].numpy().tobytes()), (pos, n)
+    finally:
+        copier.close()
+
+
 def test_a_finished_save_keeps_no_reference_to_the_saved_tensors(tmp_path):
     """Once a save is durable, dropping the state frees its tensors: an idle writer thread held its last
     task (the write job and, through it, the caller's tensors) until the next save."""

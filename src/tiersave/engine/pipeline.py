@@ -169,8 +169,9 @@ class StagedWrite:
                 src_ptr: int = addresses[u.tensor] + u.src_start  # type: ignore[operator]
                 if inc is not None and inc.expects(u):
                     inc.compare_staged(copier.copy_changed, [(u, (arena_ptr + pos, src_ptr, u.length))])
-                else:
-                    copier.copy(arena_ptr + pos, src_ptr, u.length)
+                else:  # checksummed as it is copied: the writer does not read the bytes back for it
+                    crc = copier.copy_checksum(self._view, arena_ptr, pos, src_ptr, u.length)
+                    self._set_crc(u, f"{crc:08x}")
                 if u.padded > u.length:
                     ctypes.memset(arena_ptr + pos + u.length, 0, u.padded - u.length)  # the format's zero padding
                 on_cuda = False
@@ -331,7 +332,7 @@ class StagedWrite:
                 # their CRC-32C are the base's, so unchanged bytes are hashed rather than hashed and checksummed
                 inc.take_crcs(u, self.crc1, self.crcs)
                 segments = []
-            elif segments and not checked:
+            elif segments and not checked and not self._checksummed(u):
                 self._checksum(u, segments)
             offset = u.file_offset
             writer = self.writers[u.shard]
@@ -354,10 +355,21 @@ class StagedWrite:
             if take:
                 crc = crc32c_update(crc, self._view[pos : pos + take])
             seen += n
+        self._set_crc(u, f"{crc:08x}")
+
+    def _set_crc(self, u: Unit, crc: str) -> None:
+        """Record the CRC-32C of unit ``u``, one whole tensor or one chunk of one (not a group)."""
         if u.tensor in self.crcs:
-            self.crcs[u.tensor][u.chunk] = f"{crc:08x}"
+            self.crcs[u.tensor][u.chunk] = crc
         else:
-            self.crc1[u.tensor] = f"{crc:08x}"
+            self.crc1[u.tensor] = crc
+
+    def _checksummed(self, u: Unit) -> bool:
+        """Whether staging already took the CRC-32C of unit ``u`` (not a group) while copying it."""
+        if u.is_group:
+            return False
+        many = self.crcs.get(u.tensor)
+        return bool(many[u.chunk] if many is not None else self.crc1[u.tensor])
 
     def _checksum_group(self, u: Unit, segments: list[tuple[int, int]]) -> None:
         nbytes, offsets, crcs, view = self.plan.nbytes, self.plan.offsets, self.crc1, self._view
@@ -487,7 +499,8 @@ def _write_run(job: StagedWrite, units: list[Unit]) -> None:
     start, end = first.global_offset, last.global_offset + last.padded
     try:
         for u in units:
-            job._checksum(u, [(u.global_offset, u.padded)])
+            if not job._checksummed(u):
+                job._checksum(u, [(u.global_offset, u.padded)])
         job.writers[first.shard].write_at(first.file_offset, job._view[start:end])
     except BaseException as exc:
         job.ring.fail(exc)

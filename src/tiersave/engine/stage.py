@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..format.checksum import crc32c_combine, crc32c_update
 from ..format.layout import ALIGN, align_up
 
 log = logging.getLogger(__name__)
@@ -195,21 +196,41 @@ class HostCopier:
         self.threads = max(1, count)
         self._pool = DaemonThreadPool(self.threads - 1, "tiersave-stage") if self.threads > 1 else None
 
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
-        """Copy ``nbytes`` from address ``src`` to address ``dst`` (non-overlapping host memory)."""
+    def _parts(self, nbytes: int) -> list[tuple[int, int]]:
+        """``(offset, length)`` of the parts one copy of ``nbytes`` is split into, one per thread (a single
+        part below ``_PIECE`` per thread)."""
         pieces = min(self.threads, nbytes // self._PIECE) if self._pool is not None else 1
         if pieces <= 1:
-            ctypes.memmove(dst, src, nbytes)
-            return
+            return [(0, nbytes)]
         size = -(-nbytes // pieces)
         size += (-size) % ALIGN
-        futures = [
-            self._pool.submit(ctypes.memmove, dst + off, src + off, min(size, nbytes - off))  # type: ignore[union-attr]
-            for off in range(size, nbytes, size)
-        ]
-        ctypes.memmove(dst, src, min(size, nbytes))  # the first piece on this thread
+        return [(off, min(size, nbytes - off)) for off in range(0, nbytes, size)]
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from address ``src`` to address ``dst`` (non-overlapping host memory)."""
+        (_, first), *rest = self._parts(nbytes)
+        futures = [self._pool.submit(ctypes.memmove, dst + off, src + off, n) for off, n in rest]  # type: ignore[union-attr]
+        ctypes.memmove(dst, src, first)  # the first part on this thread
         for fut in futures:
             fut.result()
+
+    def copy_checksum(self, arena: memoryview, arena_ptr: int, pos: int, src: int, nbytes: int) -> int:
+        """Copy ``nbytes`` from address ``src`` to ``arena[pos:]`` (``arena_ptr`` is its address) and return
+        the CRC-32C of the bytes copied.
+
+        One pass instead of two: each piece of ``_FUSE`` bytes is checksummed right after it is copied, while
+        it is still in the CPU's cache, so the checksum does not read the arena back from memory (measured
+        here: copy then checksum 190-220 ms per GiB, fused 125-165 ms). Large copies are split over the
+        threads as :meth:`copy` splits them; the parts' checksums are combined into one."""
+        (_, first), *rest = self._parts(nbytes)
+        futures = [
+            (self._pool.submit(_copy_checksum, arena, arena_ptr, pos + off, src + off, n), n)  # type: ignore[union-attr]
+            for off, n in rest
+        ]
+        crc = _copy_checksum(arena, arena_ptr, pos, src, first)  # the first part on this thread
+        for fut, n in futures:
+            crc = crc32c_combine(crc, fut.result(), n)
+        return crc
 
     def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
         """Run many ``(dst, src, nbytes)`` copies, balanced by bytes over the threads (a large copy may be
@@ -287,6 +308,21 @@ def copy_small(base: int, offsets: list[int], addresses: list[int | None], nbyte
         else:
             small_memmove(base + offset, addr, n)
     return rest
+
+
+_FUSE = 256 << 10  # a piece copied then checksummed: small enough to stay in a core's L2 between the two
+
+
+def _copy_checksum(arena: memoryview, arena_ptr: int, pos: int, src: int, nbytes: int) -> int:
+    """Copy ``nbytes`` from ``src`` into ``arena[pos:]`` piece by piece, each piece checksummed right after
+    its copy (both calls release the GIL); the CRC-32C of all of it."""
+    crc, memmove, update = 0, ctypes.memmove, crc32c_update
+    dst = arena_ptr + pos
+    for off in range(0, nbytes, _FUSE):
+        n = min(_FUSE, nbytes - off)
+        memmove(dst + off, src + off, n)
+        crc = update(crc, arena[pos + off : pos + off + n])
+    return crc
 
 
 def _memmove_all(copies: list[tuple[int, int, int, int]]) -> None:

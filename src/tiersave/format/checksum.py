@@ -27,3 +27,46 @@ def chunk_ranges(nbytes: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
     """Yield ``(start, length)`` of each checksum chunk of an ``nbytes``-long tensor."""
     for start in range(0, nbytes, chunk_bytes):
         yield start, min(chunk_bytes, nbytes - start)
+
+
+# CRC-32C combination (Mark Adler's method, as zlib's crc32_combine): the CRC of A followed by B from the CRCs
+# of A and B and the length of B, by multiplying A's CRC by x^(8 * len(B)) modulo the (reflected) polynomial.
+# It lets several threads checksum consecutive pieces of one chunk and the chunk still get one CRC-32C.
+_POLY = 0x82F63B78  # CRC-32C (Castagnoli), reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo the polynomial, both reflected."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> tuple[int, ...]:
+    """``x^(2^k)`` modulo the polynomial for k in 0..31."""
+    p, table = 1 << 30, []  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return tuple(table)
+
+
+_X2N = _x2n_table()
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32C of ``A + B`` from ``crc1`` (of A), ``crc2`` (of B) and ``len2 == len(B)`` in bytes."""
+    if len2 < 0:
+        raise ValueError(f"crc32c_combine: negative length {len2}")
+    p, n, k = 1 << 31, len2, 3  # x^0; the factor is x^(8 * len2) = x^(len2 * 2^3)
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
