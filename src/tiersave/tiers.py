@@ -171,7 +171,7 @@ class TierRuntime:
         self.warned_unhashed = False  # drain_refs.py: said once that the source has no content hashes
         self.busy_streak = 0  # consecutive due saves that found the drain busy
         self.behind: int | None = None  # newest due save skipped while busy: drained as soon as the tier is idle
-        self.busy: Future[object] | None = None
+        self.draining = False  # a drain task is queued or running (TierChain._lock): due saves wait behind it
         self.drainer: DaemonThreadPool | None = None
         self.copier: DaemonThreadPool | None = None
         self.auto = AutoCompress(self.name, io_threads) if spec.compress == "auto" and index else None
@@ -439,7 +439,7 @@ class TierChain:
             return
         widen = False
         with self._lock:
-            deferred = tier.busy is not None and not tier.busy.done()
+            deferred = tier.draining
             if deferred:
                 tier.skipped += 1
                 tier.busy_streak += 1
@@ -452,20 +452,13 @@ class TierChain:
                 if widen:
                     tier.widened_every = max(tier.every + 1, self._needed_every(max(tier.last_drain_s, running)))
             else:
-                tier.busy_streak = 0
+                tier.busy_streak, tier.draining = 0, True
                 if tier.behind is not None:  # this newer save supersedes the one waiting to catch up
                     self.protection.release(0, tier.behind)
                     tier.behind = None
         if deferred:
-            self.log(
-                {
-                    "step": handle.step,
-                    "tier": tier.name,
-                    "outcome": "drain_deferred",
-                    "time": time.time(),
-                    "reason": "previous drain still running; sent when it ends unless a newer save is",
-                }
-            )
+            event = {"step": handle.step, "tier": tier.name, "outcome": "drain_deferred", "time": time.time()}
+            self.log({**event, "reason": "previous drain still running; sent when it ends unless a newer save is"})
             if widen:
                 background_warning(
                     f"tier {tier.name} ({tier.storage.uri}) cannot keep up: it is still copying an earlier "
@@ -479,7 +472,7 @@ class TierChain:
         tier.sent += 1
         tier.last_sent_mono = now
         self.protection.hold(0, handle.step)  # the source copy must outlive the drain
-        tier.busy = tier.drainer.submit(self._drain, tier, handle.step, future)
+        tier.drainer.submit(self._drain, tier, handle.step, future)
 
     def _needed_every(self, drain_s: float) -> int:
         """How many saves apart a tier whose drain takes ``drain_s`` must receive them to keep up (the
@@ -491,23 +484,38 @@ class TierChain:
 
     def _drain(self, tier: TierRuntime, step: int, future: Future[CheckpointInfo | None]) -> None:
         """Drain thread: copy ``step`` to ``tier``; then, while a newer save waits to catch up, copy it too
-        (in this same task, so whoever waits for the drain queue waits for the catch-up as well)."""
-        while True:
-            if not self._drain_one(tier, step, future):
-                return
+        (in this task, so whoever waits for the drain queue waits for the catch-up too), also after a failed
+        copy. Whether one waits and the end of ``tier.draining`` are decided under one lock (else a save
+        deferred just after that look would have no drain left to send it), and each save's future is
+        resolved after that: a save made once ``tier_result`` returned is sent, not deferred."""
+        try:
+            while True:
+                outcome = self._drain_one(tier, step)
+                with self._lock:
+                    behind, tier.behind = tier.behind, None
+                    tier.draining = behind is not None and behind > step
+                if isinstance(outcome, BaseException):
+                    future.set_exception(outcome)  # after the warning: whoever waits on it has seen both
+                else:
+                    future.set_result(outcome)
+                if behind is None or behind <= step:
+                    if behind is not None:
+                        self.protection.release(0, behind)
+                    return
+                step, future = behind, Future()  # its hold, taken when it was deferred, passes to this drain
+                tier.sent += 1
+                tier.last_sent_mono = time.monotonic()
+                self.log({"step": step, "tier": tier.name, "outcome": "catch_up", "time": time.time()})
+        except BaseException as exc:
             with self._lock:
-                behind, tier.behind = tier.behind, None
-            if behind is None or behind <= step:
-                if behind is not None:
-                    self.protection.release(0, behind)
-                return
-            step, future = behind, Future()  # its hold, taken when it was deferred, passes to this drain
-            tier.sent += 1
-            tier.last_sent_mono = time.monotonic()
-            self.log({"step": step, "tier": tier.name, "outcome": "catch_up", "time": time.time()})
+                tier.draining = False
+            if not future.done():
+                future.set_exception(exc)
+            raise
 
-    def _drain_one(self, tier: TierRuntime, step: int, future: Future[CheckpointInfo | None]) -> bool:
-        """Copy one checkpoint to ``tier``, release its source, apply the tier's retention. Returns success."""
+    def _drain_one(self, tier: TierRuntime, step: int) -> CheckpointInfo | BaseException | None:
+        """Copy one checkpoint to ``tier``, release its source, apply the tier's retention. Returns its info
+        there, or the copy's error (logged and warned about here)."""
         source = self.first
         started, started_wall = time.perf_counter(), time.time()
         try:
@@ -515,32 +523,22 @@ class TierChain:
             info = tier.catalog.info(step)
         except BaseException as exc:
             self.protection.release(0, step)
-            self.log(
-                {"step": step, "tier": tier.name, "outcome": "drain_failed", "time": started_wall, "error": str(exc)}
-            )
+            event = {"step": step, "tier": tier.name, "outcome": "drain_failed", "time": started_wall}
+            self.log({**event, "error": str(exc)})
             background_warning(
                 f"copying step {step} to tier {tier.name} ({tier.storage.uri}) failed: {exc}; the checkpoint is "
                 f"safe on {source.name}, and the next due save will be sent again"
             )
-            future.set_exception(exc)  # after the warning: whoever waits on the future has seen both
-            return False
+            return exc
         self.protection.release(0, step)
         seconds = time.perf_counter() - started
         tier.last_drain_s = seconds
-        self.log(
-            {
-                "step": step,
-                "tier": tier.name,
-                "outcome": "drained",
-                "time": started_wall,
-                **result.drained_event(seconds),
-            }
-        )
-        future.set_result(info)
+        event = {"step": step, "tier": tier.name, "outcome": "drained", "time": started_wall}
+        self.log({**event, **result.drained_event(seconds)})
         if tier.widened_every > 1:  # a widened tier whose drains got faster returns toward its cadence
             tier.widened_every = min(tier.widened_every, self._needed_every(tier.last_drain_s))
         self.retain(tier, tier.policy, leftovers=True)
-        return True
+        return info
 
     # -- retention --------------------------------------------------------------------------------
 

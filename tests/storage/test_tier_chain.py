@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 import warnings
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import tiersave
+import tiersave.tiers
 from helpers import S3_TEST_OPTIONS, assert_same
 from tiersave.storage.memory import MemoryStorage
 from tiersave.storage.posix import LocalStorage
@@ -179,6 +181,67 @@ def test_a_failed_drain_is_reported_and_the_checkpoint_stays_safe(mem_uri, tmp_p
         (1, "flaky", "drain_failed"),
         (2, "flaky", "drained"),
     ]
+
+
+def test_a_save_due_as_the_drain_task_ends_is_still_drained(mem_uri, tmp_path, monkeypatch):
+    """The drain task has found nothing to catch up on but has not returned yet when the next save commits:
+    that save used to be deferred behind a task that would never send it, and wait() returned with the
+    newest checkpoint on the first tier only (found by injecting a pause at that instant)."""
+    ended, resume = threading.Event(), threading.Event()
+    drain = tiersave.tiers.TierChain._drain
+
+    def drain_then_linger(self, tier, step, future):
+        drain(self, tier, step, future)
+        if step == 1:
+            ended.set()
+            resume.wait(30)  # decided, not yet returned
+
+    monkeypatch.setattr(tiersave.tiers.TierChain, "_drain", drain_then_linger)
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(tmp_path / "slow", name="slow")]) as ckpt:
+        try:
+            ckpt.save(1, state_for(1))
+            assert ended.wait(30)
+            ckpt.save(2, state_for(2))  # its drain is decided (sent or deferred) before save returns
+        finally:
+            resume.set()
+        assert ckpt.wait(60)
+        assert ckpt._chain.tiers[1].catalog.steps() == [1, 2]
+
+
+def test_a_save_made_once_tier_result_returned_is_sent_not_deferred(mem_uri, tmp_path, monkeypatch):
+    """tier_result() used to return before the drain task ended (the tier's retention still ran), so the next
+    save could find the tier busy, be deferred, and have no result to wait for on it (ConfigError)."""
+    retain = tiersave.tiers.TierChain.retain
+
+    def slow_retention_on_slow(self, tier, *args, **kwargs):
+        if tier.name == "slow":
+            time.sleep(0.3)  # the window, widened
+        return retain(self, tier, *args, **kwargs)
+
+    monkeypatch.setattr(tiersave.tiers.TierChain, "retain", slow_retention_on_slow)
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(tmp_path / "slow", name="slow", keep=5)]) as ckpt:
+        for step in (1, 2, 3):
+            assert ckpt.save(step, state_for(step)).tier_result("slow", 60).step == step
+        assert ckpt._chain.tiers[1].catalog.steps() == [1, 2, 3]
+
+
+def test_a_save_deferred_behind_a_failed_drain_is_still_drained(mem_uri, tmp_path):
+    """The drain of step 1 fails while step 2 waits behind it: step 2 is sent all the same (it used to be
+    dropped, and the tier never got it unless another save came)."""
+    gate = threading.Event()
+    flaky = FaultyStorage(LocalStorage(tmp_path / "flaky"), [Fault("finish", 1)], gates={"finish": gate})
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(flaky, name="flaky")]) as ckpt:
+        try:
+            with pytest.warns(tiersave.TiersaveWarning, match="copying step 1 to tier flaky .* failed"):
+                first = ckpt.save(1, state_for(1))
+                ckpt.save(2, state_for(2))  # step 1's drain is held at the gate: step 2 is deferred
+                gate.set()
+                with pytest.raises(tiersave.StorageError, match="injected"):
+                    first.tier_result("flaky", timeout=60)
+                assert ckpt.wait(60)
+        finally:
+            gate.set()
+        assert ckpt._chain.tiers[1].catalog.steps() == [2]
 
 
 def test_slow_tier_cadence_is_widened_from_measured_drains(mem_uri, tmp_path):
