@@ -78,14 +78,21 @@ def watch(
         raise ConfigError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
     storage: Storage = open_storage(root, create=False) if isinstance(root, (str, os.PathLike)) else root
     catalog = Catalog(storage)
+    # Where the feed starts is read now, not at the first next(): a commit between the call and the first
+    # next() is yielded, as the docstring promises.
     if tag is not None:
         if after is not None:
             raise ConfigError("watch(tag=...) follows the tag wherever it moves; it takes no after=")
         check_name(tag)
+        current = None if include_existing else catalog.tags.get(tag)
+        seen = (current.step, current.manifest_sha256) if current is not None else None
         wait = _Waiter(storage, sleep, tags=True)
-        return _closing(_tag_moves(catalog, tag, include_existing, poll_s, timeout_s, wait), wait)
+        return _closing(_tag_moves(catalog, tag, seen, poll_s, timeout_s, wait), wait)
+    if after is None and not include_existing:
+        steps = catalog.steps()
+        after = steps[-1] if steps else None
     wait = _Waiter(storage, sleep, tags=False)
-    return _closing(_commits(catalog, after, include_existing, poll_s, timeout_s, wait), wait)
+    return _closing(_commits(catalog, after, poll_s, timeout_s, wait), wait)
 
 
 class _Waiter:
@@ -98,11 +105,15 @@ class _Waiter:
         if isinstance(storage, LocalStorage) and sleep is time.sleep:
             self._dirs = [storage.root, storage.root / "tags"] if tags else [storage.root]
 
-    def __call__(self, seconds: float) -> None:
-        if self._notifier is None and self._dirs:  # made at the first wait: a watch never iterated holds no fd
+    def start(self) -> None:
+        """Watch the directories before the feed's first look (a commit right after that look wakes the first
+        wait); called when iteration starts, so a feed never iterated holds no descriptor."""
+        if self._dirs:
             self._notifier = dir_notifier(self._dirs)
             if self._notifier is None:
                 self._dirs = []  # no inotify here: poll
+
+    def __call__(self, seconds: float) -> None:
         if self._notifier is None:
             self._sleep(seconds)
             return
@@ -118,6 +129,7 @@ class _Waiter:
 def _closing(items: Iterator[CheckpointInfo], wait: _Waiter) -> Iterator[CheckpointInfo]:
     """``items``, then the waiter's descriptor closed (the iteration ended, or the caller closed the feed)."""
     try:
+        wait.start()
         yield from items
     finally:
         wait.close()
@@ -134,17 +146,9 @@ def _leased(info: CheckpointInfo, lease: ReadLease | None) -> Iterator[Checkpoin
 
 
 def _commits(
-    catalog: Catalog,
-    after: int | None,
-    include_existing: bool,
-    poll_s: float,
-    timeout_s: float | None,
-    wait: _Waiter,
+    catalog: Catalog, last: int | None, poll_s: float, timeout_s: float | None, wait: _Waiter
 ) -> Iterator[CheckpointInfo]:
-    last = after
-    if last is None and not include_existing:
-        steps = catalog.steps()
-        last = steps[-1] if steps else None
+    """Yield each checkpoint committed with a step greater than ``last`` (every one when None)."""
     waited_since = time.monotonic()
     while True:
         fresh = [s for s in catalog.steps() if last is None or s > last]
@@ -165,16 +169,13 @@ def _commits(
 def _tag_moves(
     catalog: Catalog,
     name: str,
-    include_existing: bool,
+    seen: tuple[int, str] | None,
     poll_s: float,
     timeout_s: float | None,
     wait: _Waiter,
 ) -> Iterator[CheckpointInfo]:
-    """Yield the checkpoint the movable tag ``name`` points to each time it changes (step or checkpoint)."""
-    seen: tuple[int, str] | None = None
-    if not include_existing:
-        current = catalog.tags.get(name)
-        seen = (current.step, current.manifest_sha256) if current is not None else None
+    """Yield the checkpoint the movable tag ``name`` points to each time it changes (step or checkpoint) from
+    ``seen``, the (step, manifest hash) it pointed to when the watch began (None: yield where it points)."""
     waited_since = time.monotonic()
     while True:
         tag = catalog.tags.get(name)  # one atomic object: never a half-moved tag

@@ -3,6 +3,7 @@ never a partial one, and a writer's retention never makes it fail."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import threading
 import time
@@ -144,3 +145,46 @@ def test_a_moved_tag_wakes_the_watcher(root):
         timer.join()
         feed.close()
     assert info.step == 2
+
+
+def test_a_commit_between_the_call_and_the_first_next_is_yielded(root):
+    """The feed starts at the newest step when watch() is called, as documented: it used to start at the first
+    next(), and a checkpoint committed in between was never yielded."""
+    with tiersave.Checkpointer(root, keep_last=3) as writer:
+        writer.save(1, state(1))
+        writer.tag(1, "serving")
+        feed = tiersave.watch(root, poll_s=0.05, timeout_s=5)
+        tags = tiersave.watch(root, tag="serving", poll_s=0.05, timeout_s=5)
+        writer.save(2, state(2))
+        writer.tag(2, "serving")
+        assert next(feed).step == 2
+        assert next(tags).step == 2
+        feed.close()
+        tags.close()
+
+
+def test_a_commit_right_after_the_first_look_wakes_the_first_wait(root, monkeypatch):
+    """inotify watches the root from the start of the iteration: a commit just after the first look (none
+    new there) wakes the first wait, not the 30 s poll (the watch used to be made at that first wait)."""
+    watch_module = importlib.import_module("tiersave.watch")  # the module: tiersave.watch is the function
+
+    with tiersave.Checkpointer(root) as writer:
+        writer.save(1, state(1))
+        steps = watch_module.Catalog.steps
+        looks: list[int] = []
+
+        def steps_then_commit(self):  # the feed's first look, then a commit before its first wait
+            found = steps(self)
+            looks.append(len(found))
+            if len(looks) == 2:  # the first was watch() reading where to start
+                writer.save(2, state(2))
+            return found
+
+        monkeypatch.setattr(watch_module.Catalog, "steps", steps_then_commit)
+        feed = tiersave.watch(root, poll_s=30, timeout_s=10)
+        started = time.monotonic()
+        info = next(feed)
+        elapsed = time.monotonic() - started
+        feed.close()
+    assert info.step == 2 and looks[:2] == [1, 1]
+    assert elapsed < 10, elapsed  # woken by the commit, not by the poll after 30 s (nor ended by the timeout)
