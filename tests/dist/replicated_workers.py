@@ -220,7 +220,7 @@ def replicated_async_mismatch(rank: int, world: int, rec: dict[str, Any]) -> Non
         if rank == 1:
             with torch.no_grad():
                 state["model"][1].weight[7, 3] += 1.0
-            time.sleep(1.0)  # the other ranks' save_async must not wait for this rank
+            time.sleep(3.0)  # the other ranks' save_async must not wait for this rank
         start = time.monotonic()
         handle = ckpt.save_async(1, state, replicated=["model", "optim"])
         rec["blocked_s"] = time.monotonic() - start

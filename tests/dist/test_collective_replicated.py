@@ -125,8 +125,8 @@ def test_an_async_first_save_checks_the_declaration_in_the_background_and_fails_
         assert failure["elapsed"] < TIMEOUT  # the vote's exchange, not a timeout
         assert rec["latest_after_failure"] is None  # nothing was committed
         assert rec["latest"] == 2
-    # rank 0's save_async did not wait for rank 1, which started a second later
-    assert job.rank(0)["blocked_s"] < 0.9, job.rank(0)
+    # rank 0's save_async did not wait for rank 1, which started three seconds later
+    assert job.rank(0)["blocked_s"] < 2.5, job.rank(0)
     assert not [p for p in root.iterdir() if ".tmp-" in p.name]
     assert cli_main(["verify", str(root), "--all"]) == 0
 

@@ -30,7 +30,7 @@ from tiersave.storage.lock import LockHolder
 from tiersave.storage.posix import LocalStorage
 from tiersave.testing.faults import Fault, FaultyStorage
 
-TTL = 2
+TTL = 3  # a deletion pass must write its record and read the leases within TTL/2, even on a loaded CI
 
 
 @pytest.fixture(autouse=True)
