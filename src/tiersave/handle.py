@@ -142,15 +142,19 @@ class SaveHandle:
         there; re-raise the drain's error. The first tier is ``result()``.
 
         Raises:
-            ConfigError: this save is not sent to ``tier`` (its cadence skipped it).
+            ConfigError: this save is not sent to ``tier``: its cadence skipped it, or the tier was busy (on one
+                node such a save is copied once the tier is idle unless a newer save supersedes it, and
+                ``Checkpointer.wait()`` waits for that).
         """
         from .errors import ConfigError
 
         future = self.tiers.get(tier)
         if future is None:
             raise ConfigError(
-                f"the save of step {self.step} is not sent to tier {tier!r} "
-                f"(sent to: {', '.join(self.tiers) or 'no later tier'})"
+                f"the save of step {self.step} is not sent to tier {tier!r} (sent to: "
+                f"{', '.join(self.tiers) or 'no later tier'}): its cadence skipped it, or the tier was still copying "
+                "an earlier checkpoint (on one node it is then copied once the tier is idle unless a newer save "
+                "supersedes it, and Checkpointer.wait() waits for that)"
             )
         try:
             return future.result(timeout)

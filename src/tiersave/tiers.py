@@ -468,6 +468,7 @@ class TierChain:
                 )
             return
         future: Future[CheckpointInfo | None] = Future()
+        future.set_running_or_notify_cancel()  # a caller's cancel() must not make the drain task's set_result raise
         handle.tiers[tier.name] = future
         tier.sent += 1
         tier.last_sent_mono = now
@@ -527,7 +528,7 @@ class TierChain:
             self.log({**event, "error": str(exc)})
             background_warning(
                 f"copying step {step} to tier {tier.name} ({tier.storage.uri}) failed: {exc}; the checkpoint is "
-                f"safe on {source.name}, and the next due save will be sent again"
+                f"safe on {source.name}; a save waiting behind it, or else the next due save, is sent"
             )
             return exc
         self.protection.release(0, step)

@@ -244,6 +244,25 @@ def test_a_save_deferred_behind_a_failed_drain_is_still_drained(mem_uri, tmp_pat
         assert ckpt._chain.tiers[1].catalog.steps() == [2]
 
 
+def test_a_cancelled_tier_result_loses_nothing_behind_it(mem_uri, tmp_path):
+    """A caller gives up on a tier's result (``cancel()``, as ``asyncio.wait_for`` on the wrapped future does):
+    the drain task's result could then not be set, and the save waiting behind it was never sent and kept its
+    source held on the first tier for good."""
+    gate = threading.Event()
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(slow, name="slow")]) as ckpt:
+        try:
+            first = ckpt.save(1, state_for(1))
+            ckpt.save(2, state_for(2))  # deferred behind step 1's drain, held at the gate
+            assert not first.tiers["slow"].cancel()  # the drain runs: nothing to cancel
+        finally:
+            gate.set()
+        assert first.tier_result("slow", 60).step == 1
+        assert ckpt.wait(60)
+        assert ckpt._chain.tiers[1].catalog.steps() == [1, 2]
+        assert ckpt._chain.protection.steps(0) == frozenset()
+
+
 def test_slow_tier_cadence_is_widened_from_measured_drains(mem_uri, tmp_path):
     slow = FaultyStorage(LocalStorage(tmp_path / "slow"), delays={"finish": 0.6})
     with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(slow, name="slow")]) as ckpt:
