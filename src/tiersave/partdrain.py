@@ -267,10 +267,12 @@ class PartDrains:
                 **drained_event(seconds, stored, stored, written_bytes=nbytes),
             }
         )
-        future.set_result(info)
-        if self.coordinator:
-            self._sweep(tier)
-            self.chain.retain(tier, tier.policy, leftovers=True)
+        try:
+            if self.coordinator:  # before the result: a save made once tier_result() returned finds the tier idle
+                self._sweep(tier)
+                self.chain.retain(tier, tier.policy, leftovers=True)
+        finally:
+            future.set_result(info)
 
     def _sweep(self, tier: TierRuntime) -> None:
         """Rank 0, after a commit on ``tier``: remove the failed attempts again. A node that was only slow may
