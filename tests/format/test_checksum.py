@@ -31,3 +31,12 @@ def test_combination_folds_over_many_pieces_of_a_large_chunk() -> None:
 def test_a_negative_length_is_refused() -> None:
     with pytest.raises(ValueError, match="negative length"):
         crc32c_combine(0, 0, -1)
+
+
+def test_combination_holds_past_the_table_period_for_long_second_pieces() -> None:
+    """For CRC-32C, x^(2^31) is x again: the table of x^(2^k) repeats every 31 entries. Indexing it every 32 (as
+    zlib's CRC-32 table is) gave wrong results from a second piece of 2^29 bytes on."""
+    zeros = memoryview(bytes(1 << 29))
+    head = crc32c.crc32c(b"tiersave")
+    for n in ((1 << 29) - 4096, 1 << 29):
+        assert crc32c_combine(head, crc32c.crc32c(zeros[:n]), n) == crc32c.crc32c(zeros[:n], head), n

@@ -364,12 +364,13 @@ def test_host_copier_checksums_what_it_copies_whole_and_split_over_threads():
 
     from tiersave.engine.stage import HostCopier
 
-    src = torch.randint(0, 256, ((40 << 20) + 4097,), dtype=torch.uint8)
-    arena = torch.zeros((41 << 20,), dtype=torch.uint8)
+    src = torch.randint(0, 256, ((48 << 20) + 4097,), dtype=torch.uint8)  # three parts of >= 16 MiB
+    arena = torch.zeros((49 << 20,), dtype=torch.uint8)
     view = arena.numpy().data.cast("B")
     copier = HostCopier(threads=3)
     try:
         # sizes below one piece per thread, at a piece, across many fused steps, and split into three parts
+        assert len(copier._parts(src.numel())) == 3
         for pos, n in ((0, 0), (4096, 1), (8192, 300_001), (0, 16 << 20), (4096, src.numel())):
             arena.zero_()
             crc = copier.copy_checksum(view, arena.data_ptr(), pos, src.data_ptr(), n)

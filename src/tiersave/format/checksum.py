@@ -48,9 +48,10 @@ def _multmodp(a: int, b: int) -> int:
 
 
 def _x2n_table() -> tuple[int, ...]:
-    """``x^(2^k)`` modulo the polynomial for k in 0..31."""
+    """``x^(2^k)`` modulo the polynomial for k in 0..30: for CRC-32C, x^(2^31) is x again (the table repeats
+    every 31 entries, not every 32 as zlib's table for CRC-32 does), so entry k is ``table[k % 31]``."""
     p, table = 1 << 30, []  # x^1
-    for _ in range(32):
+    for _ in range(31):
         table.append(p)
         p = _multmodp(p, p)
     return tuple(table)
@@ -66,7 +67,7 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     p, n, k = 1 << 31, len2, 3  # x^0; the factor is x^(8 * len2) = x^(len2 * 2^3)
     while n:
         if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
+            p = _multmodp(_X2N[k % 31], p)
         n >>= 1
         k += 1
     return _multmodp(p, crc1) ^ crc2
