@@ -236,6 +236,37 @@ def test_a_pointer_replaced_while_deletions_read_the_pointers_still_frees_its_ol
         io.close()
 
 
+def test_a_step_whose_pointer_write_was_dropped_is_freed_even_if_a_pass_runs_before_the_job_ends(tmp_path):
+    """Lightning removed b.ckpt while its write still waited: the write is dropped and puts step 2 back among
+    the candidates, but its job counts as done only a moment later. A deletion pass in that moment took step 2
+    for named by the pending write and dropped it from the candidates, so it stayed stored for good."""
+    lingering, linger = threading.Event(), threading.Event()
+
+    class LingeringPointers(GatedPointers):
+        def _write_pointer(self, target: Path, step: int, handle: tiersave.SaveHandle) -> None:
+            super()._write_pointer(target, step, handle)
+            if step == 2:
+                lingering.set()
+                assert linger.wait(60), "the test never let the job end"
+
+    io = LingeringPointers(tiersave.Checkpointer(tmp_path / "root", handle_sigterm=False), timeout_s=60.0)
+    ckdir = tmp_path / "ckpt"
+    try:
+        io.save_checkpoint({"global_step": 2, "w": torch.rand(64)}, ckdir / "b.ckpt")
+        io.remove_checkpoint(ckdir / "b.ckpt")  # before its write ran: the write is dropped
+        io.gate.set()
+        assert lingering.wait(60)  # dropped, step 2 a candidate again; the job not done yet
+        io.save_checkpoint({"global_step": 3, "w": torch.rand(64)}, ckdir / "c.ckpt")  # a deletion pass now
+        linger.set()
+        io.teardown()
+        assert not (ckdir / "b.ckpt").exists() and read_pointer(ckdir / "c.ckpt") == 3
+        assert {c.step for c in io.checkpointer.list()} == {3}
+    finally:
+        io.gate.set()
+        linger.set()
+        io.close()
+
+
 def test_a_flush_that_times_out_keeps_the_pointer_writes_for_the_next_flush(tmp_path):
     io = GatedPointers(tiersave.Checkpointer(tmp_path / "root", handle_sigterm=False), timeout_s=1.0)
     first, second = tmp_path / "ckpt" / "a.ckpt", tmp_path / "ckpt" / "last.ckpt"

@@ -449,15 +449,18 @@ class TiersaveCheckpointIO(CheckpointIO):  # type: ignore[misc]
         # that replaces a step's last pointer in between would otherwise add that step back to
         # self._unreferenced just before it is taken away, and it would stay stored for good.
         with self._lock:
-            named = {step for step, job, _ in self._jobs if not job.done()}
+            pending = {step for step, job, _ in self._jobs if not job.done()}
+            on_disk: set[int] = set()
             for directory in self._dirs:
                 for entry in Path(directory).glob("*"):
                     try:
-                        named.add(read_pointer(entry))
+                        on_disk.add(read_pointer(entry))
                     except (CheckpointNotFoundError, FormatError, OSError):
                         continue
-            doomed = frozenset(candidates - named)
-            self._unreferenced -= candidates
+            doomed = frozenset(candidates - pending - on_disk)
+            # A step named only by a pending write stays a candidate: a write to a path Lightning removed meanwhile
+            # adds its step back just before its job counts as done, and this pass must not undo that.
+            self._unreferenced -= doomed | (candidates & on_disk)
         if doomed:
             deleted = self.checkpointer.prune(policy=_Without(doomed))
             kept = doomed - set(deleted)
