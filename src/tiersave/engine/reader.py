@@ -19,7 +19,7 @@ from ..errors import CorruptCheckpointError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.layout import ALIGN
 from ..format.manifest import TensorEntry
-from ..storage.base import BlobReader, RangesReader
+from ..storage.base import BlobReader, ChecksumReader, RangesReader
 
 
 @dataclass
@@ -140,6 +140,16 @@ def _read_run(
 ) -> None:
     """Read a run of single-chunk tensors into their destinations in one call where the reader can, then
     verify each (a mismatch names that tensor)."""
+    if all(req.verify for req in run) and isinstance(reader, ChecksumReader):
+        # the CRCs taken as the bytes are copied out (a run mixing checked and unchecked tensors, rare, is
+        # read plainly below so that the unchecked ones pay for no checksum)
+        crcs = [reader.read_into_crc(run[0].entry.offset, run[0].dest)] if len(run) == 1 else None
+        if crcs is None:
+            crcs = reader.read_ranges_crc([(req.entry.offset, req.dest) for req in run])
+        for req, crc in zip(run, crcs, strict=True):
+            if f"{crc:08x}" != req.entry.crc32c[0]:
+                _mismatch(req.entry, 0, req.entry.offset, req.entry.nbytes, f"{crc:08x}", describe)
+        return
     if len(run) > 1 and isinstance(reader, RangesReader):
         reader.read_ranges([(req.entry.offset, req.dest) for req in run])
     else:
@@ -187,6 +197,11 @@ def _read_chunk(
     describe: Callable[[TensorEntry], tuple[str, int | None]],
 ) -> None:
     view = req.dest[off : off + length]
+    if req.verify and isinstance(reader, ChecksumReader):  # the CRC taken as the bytes are copied out
+        actual = f"{reader.read_into_crc(req.entry.offset + off, view):08x}"
+        if actual != req.entry.crc32c[index]:
+            _mismatch(req.entry, index, req.entry.offset + off, length, actual, describe)
+        return
     reader.read_into(req.entry.offset + off, view)
     if req.verify:
         _check(req, index, off, length, describe)
