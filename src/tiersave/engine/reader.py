@@ -1,7 +1,8 @@
 """Read tensors of one checkpoint into caller-provided memory, verifying every chunk's CRC-32C.
 
 Scope: one parallel read of many tensors' chunks from open shard readers, each chunk checked before it
-counts as read; runs of small tensors read as groups (one read, one job per group); runs of consecutive
+counts as read (by a CRC the storage's reader took while it copied the bytes in, where it offers one:
+``ChecksumReader``); runs of small tensors read as groups (one read, one job per group); runs of consecutive
 medium tensors (one checksum chunk each, a few MiB: an MoE's experts) read straight into their
 destinations by one vectored request per run. Anti-scope: choosing destinations (restore.py), opening
 shards and validating manifests (catalog.py), how a storage serves a run (``read_ranges``).
@@ -143,8 +144,9 @@ def _read_run(
     if all(req.verify for req in run) and isinstance(reader, ChecksumReader):
         # the CRCs taken as the bytes are copied out (a run mixing checked and unchecked tensors, rare, is
         # read plainly below so that the unchecked ones pay for no checksum)
-        crcs = [reader.read_into_crc(run[0].entry.offset, run[0].dest)] if len(run) == 1 else None
-        if crcs is None:
+        if len(run) == 1:
+            crcs = [reader.read_into_crc(run[0].entry.offset, run[0].dest)]
+        else:
             crcs = reader.read_ranges_crc([(req.entry.offset, req.dest) for req in run])
         for req, crc in zip(run, crcs, strict=True):
             if f"{crc:08x}" != req.entry.crc32c[0]:
