@@ -18,6 +18,10 @@ processes (allocator state, placement). Each restore reports its wall time and t
 Usage::
 
     PYTHONPATH=src .venv/bin/python benchmarks/fused_read.py --dir /tmp/tiersave-fused --size 3 --reps 4
+    PYTHONPATH=src .venv/bin/python benchmarks/fused_read.py --storage mem --size 1 --reps 4
+
+With ``--storage mem`` the shards live in a ``mem://`` tier (tmpfs): reads are buffered, the fused path reads
+each 256 KiB piece and checksums it right after, the separate one reads a whole chunk, then checksums it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 import tiersave.engine.reader as engine_reader
 from tiersave import Checkpointer
 from tiersave.bench.workload import build_state, empty_like_state, gpt_like_spec
+from tiersave.storage.memory import MemoryStorage
 from tiersave.storage.posix import LocalStorage
 
 
@@ -89,6 +94,12 @@ def main() -> None:
     p.add_argument("--size", type=float, default=3.0, help="state size in GB")
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--no-drop-caches", action="store_true", help="evict with fadvise only (no drop_caches)")
+    p.add_argument(
+        "--storage",
+        default="direct",
+        choices=["direct", "mem"],
+        help="direct: LocalStorage(--dir, io='direct'), read cold; mem: a mem:// tier (tmpfs, buffered reads)",
+    )
     args = p.parse_args()
     from tiersave.bench.device import evict
 
@@ -110,7 +121,8 @@ def main() -> None:
     )
     fused_protocol = engine_reader.ChecksumReader
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    with Checkpointer(LocalStorage(root, io="direct"), keep_last=1, event_log=False) as ckpt:
+    storage = LocalStorage(root, io="direct") if args.storage == "direct" else MemoryStorage(f"fused-{os.getpid()}")
+    with Checkpointer(storage, keep_last=1, event_log=False) as ckpt:
         ckpt.save(1, state)
         for rep in range(args.reps):
             kinds = ["into", "new"] if rep % 2 == 0 else ["new", "into"]
@@ -122,7 +134,8 @@ def main() -> None:
             for kind in kinds:
                 for path in paths:
                     engine_reader.ChecksumReader = fused_protocol if path == "fused" else _Nobody  # type: ignore[misc]
-                    evict([root], drop_caches=not args.no_drop_caches)
+                    if args.storage == "direct":
+                        evict([root], drop_caches=not args.no_drop_caches)
                     t0, c0 = time.perf_counter(), _cpu()
                     out = ckpt.restore(1, into=live if kind == "into" else None)
                     wall, cpu = time.perf_counter() - t0, _cpu() - c0
@@ -131,6 +144,8 @@ def main() -> None:
                         assert all(torch.equal(out[k], v) for k, v in state.items())
                     del out
     engine_reader.ChecksumReader = fused_protocol  # type: ignore[misc]
+    if isinstance(storage, MemoryStorage):
+        storage.destroy()
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     n = 2 * args.reps
     print(f"\n| restore | path | wall s (median of {n}, range) | GB/s | CPU s (median, range) |")

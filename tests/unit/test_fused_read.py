@@ -10,6 +10,8 @@ Real files on the real POSIX storage with O_DIRECT (``/tmp`` is ext4 here).
 from __future__ import annotations
 
 import json
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 
 from tiersave import Checkpointer
 from tiersave.errors import CorruptCheckpointError
+from tiersave.storage.memory import MemoryStorage
 from tiersave.storage.posix import LocalStorage, directio, filesystem_type
 from tiersave.storage.posix.blobs import ChecksumSink, LocalBlobReader
 from tiersave.storage.posix.buffers import address_of, aligned_buffer
@@ -124,9 +127,10 @@ def test_read_ranges_crc_gives_each_range_its_crc(ext4_dir: Path, io: str, pool_
         storage.close()
 
 
-def test_read_into_crc_past_the_end_is_an_error(ext4_dir: Path) -> None:
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_read_into_crc_past_the_end_is_an_error(ext4_dir: Path, io: str) -> None:
     (ext4_dir / "blob").write_bytes(_payload(10_000))
-    storage = LocalStorage(ext4_dir, io="direct")
+    storage = LocalStorage(ext4_dir, io=io)
     try:
         reader = storage.open_reader("blob")
         assert isinstance(reader, LocalBlobReader)
@@ -258,3 +262,47 @@ def test_a_truncated_shard_fails_clearly(ext4_dir: Path) -> None:
         for into in (None, {k: torch.zeros_like(v) for k, v in state.items()}):
             with pytest.raises(CorruptCheckpointError, match=shard.name):
                 ck.restore(1, into=into)
+
+
+# -- the memory tier: buffered reads from tmpfs, each piece checksummed right after it was read ---------------
+
+
+@pytest.fixture
+def memory() -> Iterator[MemoryStorage]:
+    storage = MemoryStorage(f"fused-{uuid.uuid4().hex[:12]}")
+    yield storage
+    storage.destroy()
+
+
+@pytest.mark.parametrize("chunk_bytes", [256 << 10, 1 * MiB + 4096 * 3, 4 * MiB])
+def test_memory_tier_restores_are_bit_exact_on_the_fused_path(
+    memory: MemoryStorage, monkeypatch: pytest.MonkeyPatch, chunk_bytes: int
+) -> None:
+    state = _state()
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    fused = _count_fused(monkeypatch)
+    with Checkpointer(memory, chunk_bytes=chunk_bytes, event_log=False) as ck:
+        ck.save(1, state)
+        out = ck.restore(1)
+        assert all(torch.equal(out[k], v) for k, v in state.items())
+        assert ck.restore(1, into=live) is live
+        paths = memory.io_stats.to_json()["paths"]
+    assert all(torch.equal(live[k], v) for k, v in state.items())
+    assert sum(fused) >= 2 * (state["emb"].nbytes + state["w"].nbytes)
+    assert set(paths) == {"buffered"}, paths
+
+
+def test_memory_tier_names_a_flipped_byte_and_a_short_shard(memory: MemoryStorage) -> None:
+    state = _state()
+    with Checkpointer(memory, chunk_bytes=MiB, event_log=False) as ck:
+        ck.save(1, state)
+    root = Path(memory.root)
+    shard, _ = _flip(root, "emb", 3 * MiB + 300 * 1024 + 7)  # inside the second 256 KiB piece of chunk 3
+    with Checkpointer(memory, chunk_bytes=MiB, event_log=False) as ck, pytest.raises(CorruptCheckpointError) as info:
+        ck.restore(1, into={k: torch.zeros_like(v) for k, v in state.items()})
+    assert info.value.tensor == "emb" and "tensor 'emb', chunk 3 " in str(info.value)
+    with open(shard, "r+b") as f:
+        f.truncate(2 * MiB + 100)
+    with Checkpointer(memory, chunk_bytes=MiB, event_log=False) as ck, pytest.raises(CorruptCheckpointError) as info:
+        ck.restore(1)
+    assert shard.name in str(info.value) and "truncated" in str(info.value)  # caught before any read

@@ -349,7 +349,8 @@ class LocalBlobReader:
         """Fill ``out`` as :meth:`read_into` does and return the CRC-32C of the bytes it now holds.
 
         Bytes that pass through a bounce buffer are checksummed in the same pass as their copy out, piece
-        by piece while each piece is still in cache; bytes read in place (or buffered) after they landed.
+        by piece while each piece is still in cache; buffered reads are made piece by piece, each piece
+        checksummed right after it was read; bytes read in place by a direct read after they landed.
         """
         sink = ChecksumSink()
         self._read(offset, out, sink)
@@ -393,9 +394,7 @@ class LocalBlobReader:
                         return
             else:  # no direct descriptor: say why in the statistics
                 self.io_stats.note(self._storage.io_policy.decide("read", n, aligned=False).reason)
-            read_all(self._fd, view, offset, self.key)
-            if sink is not None:
-                sink.landed(view)
+            self._read_buffered(view, offset, sink)
             self.io_stats.record("buffered", n, time.perf_counter() - start)
 
     def read_ranges(self, ranges: Sequence[tuple[int, memoryview]]) -> None:
@@ -457,10 +456,19 @@ class LocalBlobReader:
             else:
                 self.io_stats.note(self._storage.io_policy.decide("read", n, aligned=False).reason)
             for i, (off, view) in enumerate(views):
-                read_all(self._fd, view, off, self.key)
-                if sinks is not None:
-                    sinks[i].landed(view)
+                self._read_buffered(view, off, None if sinks is None else sinks[i])
             self.io_stats.record("buffered", n, time.perf_counter() - start)
+
+    def _read_buffered(self, view: memoryview, offset: int, sink: ChecksumSink | None) -> None:
+        if sink is None:
+            read_all(self._fd, view, offset, self.key)
+            return
+        # Piece by piece, each checksummed right after the kernel copied it in, while it is in cache: from
+        # tmpfs (the memory tier) 188 against 251 ms per GiB on one thread with the checksum after the read.
+        for start in range(0, len(view), _FUSE_BYTES):
+            piece = view[start : start + _FUSE_BYTES]
+            read_all(self._fd, piece, offset + start, self.key)
+            sink.landed(piece)
 
     def fileno(self) -> int:
         return self._fd
