@@ -20,8 +20,9 @@ Usage::
     PYTHONPATH=src .venv/bin/python benchmarks/fused_read.py --dir /tmp/tiersave-fused --size 3 --reps 4
     PYTHONPATH=src .venv/bin/python benchmarks/fused_read.py --storage mem --size 1 --reps 4
 
-With ``--storage mem`` the shards live in a ``mem://`` tier (tmpfs): reads are buffered, the fused path reads
-each 256 KiB piece and checksums it right after, the separate one reads a whole chunk, then checksums it.
+With ``--storage mem`` the shards live in a ``mem://`` tier (tmpfs) and reads are buffered: both paths read a
+whole chunk, then checksum it (commit 83f6c6b read buffered requests piece by piece, each checksummed right
+after it was read; docs/benchmarks.md gives what it measured and why it is not kept).
 """
 
 from __future__ import annotations

@@ -349,8 +349,7 @@ class LocalBlobReader:
         """Fill ``out`` as :meth:`read_into` does and return the CRC-32C of the bytes it now holds.
 
         Bytes that pass through a bounce buffer are checksummed in the same pass as their copy out, piece
-        by piece while each piece is still in cache; buffered reads are made piece by piece, each piece
-        checksummed right after it was read; bytes read in place by a direct read after they landed.
+        by piece while each piece is still in cache; bytes read in place (or buffered) after they landed.
         """
         sink = ChecksumSink()
         self._read(offset, out, sink)
@@ -463,12 +462,11 @@ class LocalBlobReader:
         if sink is None:
             read_all(self._fd, view, offset, self.key)
             return
-        # Piece by piece, each checksummed right after the kernel copied it in, while it is in cache: from
-        # tmpfs (the memory tier) 188 against 251 ms per GiB on one thread with the checksum after the read.
-        for start in range(0, len(view), _FUSE_BYTES):
-            piece = view[start : start + _FUSE_BYTES]
-            read_all(self._fd, piece, offset + start, self.key)
-            sink.landed(piece)
+        # Whole, then checksummed. Read piece by piece with each piece checksummed right after it (commit
+        # 83f6c6b) one thread went from 251 to 188 ms per GiB from tmpfs, but mem:// restores of 1-2 GB did not
+        # change beyond their noise (docs/benchmarks.md, "The restore's copy and checksum in one pass").
+        read_all(self._fd, view, offset, self.key)
+        sink.landed(view)
 
     def fileno(self) -> int:
         return self._fd
