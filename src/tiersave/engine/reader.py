@@ -1,7 +1,8 @@
 """Read tensors of one checkpoint into caller-provided memory, verifying every chunk's CRC-32C.
 
 Scope: one parallel read of many tensors' chunks from open shard readers, each chunk checked before it
-counts as read; runs of small tensors read as groups (one read, one job per group); runs of consecutive
+counts as read (by a CRC the storage's reader took while it copied the bytes in, where it offers one:
+``ChecksumReader``); runs of small tensors read as groups (one read, one job per group); runs of consecutive
 medium tensors (one checksum chunk each, a few MiB: an MoE's experts) read straight into their
 destinations by one vectored request per run. Anti-scope: choosing destinations (restore.py), opening
 shards and validating manifests (catalog.py), how a storage serves a run (``read_ranges``).
@@ -19,7 +20,7 @@ from ..errors import CorruptCheckpointError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.layout import ALIGN
 from ..format.manifest import TensorEntry
-from ..storage.base import BlobReader, RangesReader
+from ..storage.base import BlobReader, ChecksumReader, RangesReader
 
 
 @dataclass
@@ -140,6 +141,17 @@ def _read_run(
 ) -> None:
     """Read a run of single-chunk tensors into their destinations in one call where the reader can, then
     verify each (a mismatch names that tensor)."""
+    if all(req.verify for req in run) and isinstance(reader, ChecksumReader):
+        # the CRCs taken as the bytes are copied out (a run mixing checked and unchecked tensors, rare, is
+        # read plainly below so that the unchecked ones pay for no checksum)
+        if len(run) == 1:
+            crcs = [reader.read_into_crc(run[0].entry.offset, run[0].dest)]
+        else:
+            crcs = reader.read_ranges_crc([(req.entry.offset, req.dest) for req in run])
+        for req, crc in zip(run, crcs, strict=True):
+            if f"{crc:08x}" != req.entry.crc32c[0]:
+                _mismatch(req.entry, 0, req.entry.offset, req.entry.nbytes, f"{crc:08x}", describe)
+        return
     if len(run) > 1 and isinstance(reader, RangesReader):
         reader.read_ranges([(req.entry.offset, req.dest) for req in run])
     else:
@@ -187,6 +199,11 @@ def _read_chunk(
     describe: Callable[[TensorEntry], tuple[str, int | None]],
 ) -> None:
     view = req.dest[off : off + length]
+    if req.verify and isinstance(reader, ChecksumReader):  # the CRC taken as the bytes are copied out
+        actual = f"{reader.read_into_crc(req.entry.offset + off, view):08x}"
+        if actual != req.entry.crc32c[index]:
+            _mismatch(req.entry, index, req.entry.offset + off, length, actual, describe)
+        return
     reader.read_into(req.entry.offset + off, view)
     if req.verify:
         _check(req, index, off, length, describe)

@@ -1,7 +1,8 @@
 """The narrow storage protocol every tier implements.
 
 Scope: moving bytes to and from one place (a directory, /dev/shm, a bucket prefix) with stated
-atomicity and durability. Anti-scope: checkpoint layout, manifests, checksums, torch.
+atomicity and durability. Anti-scope: checkpoint layout, manifests, checksums (a reader may compute the
+CRC-32C of what it read, :class:`ChecksumReader`; comparing it is the engine's), torch.
 
 Keys are ``/``-separated paths relative to the storage root, made of safe components (no empty, ``.``
 or ``..`` component, no NUL, not absolute); backends reject anything else with :class:`ConfigError`
@@ -94,6 +95,19 @@ class RangesReader(Protocol):
 
     def read_ranges(self, ranges: Sequence[tuple[int, memoryview]]) -> None:
         """Fill each ``(offset, out)`` (sorted by offset, not overlapping); raises if the object is shorter."""
+
+
+@runtime_checkable
+class ChecksumReader(Protocol):
+    """A :class:`BlobReader` that can also return the CRC-32C of the bytes it filled (optional: the engine
+    checksums the destination itself after ``read_into`` on readers without it). A backend offers it where
+    the checksum costs less inside the read, e.g. in the same pass as a copy out of a bounce buffer."""
+
+    def read_into_crc(self, offset: int, out: memoryview) -> int:
+        """Fill ``out`` as ``read_into`` does; return the CRC-32C (Castagnoli) of ``out``'s bytes after it."""
+
+    def read_ranges_crc(self, ranges: Sequence[tuple[int, memoryview]]) -> list[int]:
+        """Fill each ``(offset, out)`` as ``RangesReader.read_ranges`` does; return each one's CRC-32C."""
 
 
 @runtime_checkable

@@ -35,6 +35,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from ...format.layout import ALIGN, align_up
 from .buffers import address_of, aligned_buffer
@@ -46,6 +47,7 @@ __all__ = [
     "BouncePool",
     "DioAlignment",
     "PartialBlocks",
+    "ReadSink",
     "dio_alignment",
     "open_direct",
     "pread_direct",
@@ -485,13 +487,27 @@ class PartialBlocks:
 # -- direct reads ------------------------------------------------------------------------------------
 
 
-def pread_direct(fd: int, out: memoryview, offset: int, alignment: DioAlignment, pool: BouncePool) -> tuple[int, int]:
+class ReadSink(Protocol):
+    """Sees every byte :func:`pread_direct` fills, in file order: bounced bytes as it copies them out (the
+    sink does the copy), bytes read in place after they landed."""
+
+    def copy(self, dst: memoryview, src: memoryview) -> None:
+        """Copy ``src`` (bounce buffer) into ``dst`` (the caller's memory)."""
+
+    def landed(self, view: memoryview) -> None:
+        """``view`` of the caller's memory was filled in place."""
+
+
+def pread_direct(
+    fd: int, out: memoryview, offset: int, alignment: DioAlignment, pool: BouncePool, sink: ReadSink | None = None
+) -> tuple[int, int]:
     """Fill ``out`` (a ``B`` view) with the file's bytes at ``offset`` using direct reads.
 
     The aligned middle of the range is read straight into ``out`` when the address of ``out`` and the
     file offset are congruent modulo the memory alignment (so that aligned file blocks land at aligned
     addresses); otherwise, and for the unaligned head and tail, whole aligned blocks are read into a
-    bounce buffer and the needed bytes copied out.
+    bounce buffer and the needed bytes copied out (by ``sink`` when given, which sees every filled byte
+    in file order).
 
     Returns:
         ``(filled, bounced)``: bytes of ``out`` filled (less than ``len(out)`` only at end of file) and
@@ -507,29 +523,32 @@ def pread_direct(fd: int, out: memoryview, offset: int, alignment: DioAlignment,
     head, middle, _tail = split_aligned(offset, length, align)
     in_place = middle > 0 and (address_of(out) + head) % alignment.memory == 0
     if not in_place:
-        filled = _read_bounced(fd, out, offset, align, pool)
+        filled = _read_bounced(fd, out, offset, align, pool, sink)
         return filled, filled
     bounced = 0
     if head:
-        got = _read_bounced(fd, out[:head], offset, align, pool)
+        got = _read_bounced(fd, out[:head], offset, align, pool, sink)
         bounced += got
         if got < head:
             return got, bounced
     got = _pread_all(fd, out[head : head + middle], offset + head, align)
+    if sink is not None:
+        sink.landed(out[head : head + got])
     if got < middle:
         return head + got, bounced
     rest = length - head - middle
     if rest:
-        got = _read_bounced(fd, out[head + middle :], offset + head + middle, align, pool)
+        got = _read_bounced(fd, out[head + middle :], offset + head + middle, align, pool, sink)
         bounced += got
         return head + middle + got, bounced
     return length, bounced
 
 
-def _read_bounced(fd: int, out: memoryview, offset: int, align: int, pool: BouncePool) -> int:
+def _read_bounced(fd: int, out: memoryview, offset: int, align: int, pool: BouncePool, sink: ReadSink | None) -> int:
     """Read ``out`` through bounce buffers: aligned blocks covering the range, then copy the bytes out."""
     length = len(out)
     filled = 0
+    copy = _memmove if sink is None else sink.copy
     with pool.acquire() as buf:
         block = pool.block_bytes
         while filled < length:
@@ -541,7 +560,7 @@ def _read_bounced(fd: int, out: memoryview, offset: int, align: int, pool: Bounc
             usable = min(got - skip, length - filled)
             if usable <= 0:
                 return filled
-            _memmove(out[filled : filled + usable], buf[skip : skip + usable])
+            copy(out[filled : filled + usable], buf[skip : skip + usable])
             filled += usable
             if got < span:
                 return filled

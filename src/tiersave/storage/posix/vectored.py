@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from ...format.layout import align_up
 from .buffers import address_of
-from .directio import BouncePool, DioAlignment
+from .directio import BouncePool, DioAlignment, ReadSink
 
 __all__ = ["MAX_IOVECS", "pread_ranges_direct"]
 
@@ -36,13 +36,21 @@ Piece = tuple[int, memoryview]
 
 
 def pread_ranges_direct(
-    fd: int, ranges: Sequence[Piece], alignment: DioAlignment, pool: BouncePool, *, bounce_buffers: int = 1
+    fd: int,
+    ranges: Sequence[Piece],
+    alignment: DioAlignment,
+    pool: BouncePool,
+    *,
+    bounce_buffers: int = 1,
+    sinks: Sequence[ReadSink] | None = None,
 ) -> tuple[int, int, int]:
     """Fill each ``(offset, view)`` of ``ranges`` (``B`` views, sorted by offset, not overlapping) with the
     file's bytes there, by direct ``preadv`` calls over the span that holds them.
 
     Each call moves every in-place part up to the next stretch that needs bouncing, and bounced bytes up to
-    ``bounce_buffers`` of the pool's blocks (taken only when some bytes need them).
+    ``bounce_buffers`` of the pool's blocks (taken only when some bytes need them). With ``sinks`` (one per
+    range), each range's sink sees every byte of it in file order: it copies the bounced ones out, and is
+    told of the ones read in place.
 
     Returns:
         ``(in_place, bounced, end)``: bytes read straight into the views, bytes copied out of bounce
@@ -81,7 +89,10 @@ def pread_ranges_direct(
             pieces, via_bounce, di = _window(cursor, span_end, direct, di, bounces)
             window_end = pieces[-1][0] + len(pieces[-1][1])
             got = _preadv_all(fd, [m for _, m in pieces], cursor, align)
-            _copy_out(ranges, via_bounce, cursor + got)
+            if sinks is None:
+                _copy_out(ranges, via_bounce, cursor + got)
+            else:
+                _deliver(ranges, sinks, pieces, {id(p) for p in via_bounce}, cursor + got)
             if cursor + got < window_end:
                 return in_place, bounced, cursor + got
             cursor = window_end
@@ -155,4 +166,26 @@ def _copy_out(ranges: Sequence[Piece], bounced: list[Piece], hi: int) -> None:
             a, b = max(off, p0), min(off + len(view), p1)
             if b > a:  # ctypes.memmove releases the GIL: other readers' copies and checksums go on meanwhile
                 ctypes.memmove(address_of(view[a - off :]), address_of(mem[a - p0 :]), b - a)
+            i += 1
+
+
+def _deliver(
+    ranges: Sequence[Piece], sinks: Sequence[ReadSink], pieces: list[Piece], bounced: set[int], hi: int
+) -> None:
+    """Hand every byte before file offset ``hi`` of one ``preadv``'s ``pieces`` to the sink of its range, in
+    file order (so that a range's head, in-place middle and tail reach its sink in that order); bounced
+    pieces (their ``id`` in ``bounced``) are copied out by the sink."""
+    starts = [off for off, _ in ranges]
+    for piece in pieces:
+        p0, mem = piece
+        p1 = min(p0 + len(mem), hi)
+        i = max(0, bisect.bisect_right(starts, p0) - 1)
+        while i < len(ranges) and ranges[i][0] < p1:
+            off, view = ranges[i]
+            a, b = max(off, p0), min(off + len(view), p1)
+            if b > a:
+                if id(piece) in bounced:
+                    sinks[i].copy(view[a - off : b - off], mem[a - p0 : b - p0])
+                else:  # an in-place part: ``mem`` is a slice of this range's own view
+                    sinks[i].landed(mem[a - p0 : b - p0])
             i += 1
