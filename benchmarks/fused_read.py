@@ -29,18 +29,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_stages import prepare
+
 import tiersave.engine.reader as engine_reader
 from tiersave import Checkpointer
-from tiersave.bench.workload import build_state, empty_like_state, gpt_like_spec
 from tiersave.storage.memory import MemoryStorage
 from tiersave.storage.posix import LocalStorage
 
@@ -104,15 +106,7 @@ def main() -> None:
     args = p.parse_args()
     from tiersave.bench.device import evict
 
-    base = Path(args.dir or tempfile.mkdtemp(prefix="tiersave-fused-"))
-    root = base / "ckpt"
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    spec = gpt_like_spec("llama3-8b", int(args.size * 1e9))
-    state = build_state(spec)
-    live = empty_like_state(spec)
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    print(f"state: {len(state)} tensors, {nbytes / 1e9:.2f} GB; load average {os.getloadavg()[0]:.2f}", flush=True)
+    _, root, state, live, nbytes = prepare(args.dir, "tiersave-fused-", args.size)
     separate_ms, fused_ms = copy_out_ms()
     print(
         f"copy out of a bounce buffer + CRC-32C, 1 GiB, one thread (median of {len(fused_ms)}, interleaved): "

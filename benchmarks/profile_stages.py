@@ -137,6 +137,24 @@ class Profiler:
         self.proc = None
 
 
+def prepare(
+    directory: str | None, prefix: str, size_gb: float
+) -> tuple[Path, Path, dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """The run's directory (``directory``, else a new temporary one named ``prefix``...), an empty ``ckpt``
+    root in it, the `tiersave bench` state of ``size_gb`` GB, an empty twin to restore into and the state's
+    bytes; prints the state's size and the load average."""
+    base = Path(directory or tempfile.mkdtemp(prefix=prefix))
+    root = base / "ckpt"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    spec = gpt_like_spec("llama3-8b", int(size_gb * 1e9))
+    state = build_state(spec)
+    live = empty_like_state(spec)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"state: {len(state)} tensors, {nbytes / 1e9:.2f} GB; load average {os.getloadavg()[0]:.2f}", flush=True)
+    return base, root, state, live, nbytes
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default=None, help="directory on the file system to measure (default: a temp dir)")
@@ -148,15 +166,7 @@ def main() -> None:
     p.add_argument("--hz", type=int, default=499, help="perf samples per second")
     args = p.parse_args()
 
-    base = Path(args.dir or tempfile.mkdtemp(prefix="tiersave-prof-"))
-    root = base / "ckpt"
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    spec = gpt_like_spec("llama3-8b", int(args.size * 1e9))
-    state = build_state(spec)
-    live = empty_like_state(spec)
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    print(f"state: {len(state)} tensors, {nbytes / 1e9:.2f} GB; load average {os.getloadavg()[0]:.2f}", flush=True)
+    base, root, state, live, nbytes = prepare(args.dir, "tiersave-prof-", args.size)
     storage = LocalStorage(root, io=args.io)
     ckpt = Checkpointer(storage, keep_last=2)
     ckpt.save(0, state)  # warm-up: allocates the staging arena, calibrates the I/O policy

@@ -81,3 +81,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def long_run(request: pytest.FixtureRequest) -> bool:
     """True under ``--long``: a figures test scales its trial or example count up."""
     return bool(request.config.getoption("--long"))
+
+
+@pytest.fixture
+def ext4_dir(tmp_path: Path) -> Path:
+    """tmp_path, where it is on a block-device file system that accepts O_DIRECT (else the test is skipped)."""
+    from tiersave.storage.posix import filesystem_type
+    from tiersave.storage.posix.directio import probe_direct_io
+
+    if filesystem_type(tmp_path) in ("tmpfs", "ramfs", ""):
+        pytest.skip("needs a block-device file system for O_DIRECT alignment rules")
+    if not probe_direct_io(tmp_path):
+        pytest.skip("O_DIRECT refused here")
+    return tmp_path

@@ -172,3 +172,8 @@ def manifest_doc(
         "metadata": {},
         "stats": {},
     }
+
+
+def random_bytes(n: int, seed: int = 1) -> bytes:
+    """``n`` reproducible pseudo-random bytes."""
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()

@@ -11,10 +11,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tiersave.storage.posix import directio, filesystem_type
+from helpers import random_bytes as payload
+from tiersave.storage.posix import directio
 from tiersave.storage.posix.buffers import address_of, aligned_buffer
 from tiersave.storage.posix.directio import (
     BouncePool,
@@ -32,19 +32,6 @@ from tiersave.storage.posix.directio import (
 
 SIZES = [0, 1, 4095, 4096, 4097, 8191, 8192, 65536 + 3, (1 << 20) + 4097]
 A = DioAlignment(4096, 4096)
-
-
-@pytest.fixture
-def ext4_dir(tmp_path: Path) -> Path:
-    if filesystem_type(tmp_path) in ("tmpfs", "ramfs", ""):
-        pytest.skip("needs a block-device file system for O_DIRECT alignment rules")
-    if not probe_direct_io(tmp_path):
-        pytest.skip("O_DIRECT refused here")
-    return tmp_path
-
-
-def payload(n: int, seed: int = 1) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
 def unaligned(n: int, shift: int = 64) -> memoryview:

@@ -16,32 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
-import numpy as np
 import pytest
 import torch
 
+from helpers import random_bytes as _payload
 from tiersave import Checkpointer
 from tiersave.errors import CorruptCheckpointError
 from tiersave.storage.memory import MemoryStorage
-from tiersave.storage.posix import LocalStorage, directio, filesystem_type
+from tiersave.storage.posix import LocalStorage, directio
 from tiersave.storage.posix.blobs import ChecksumSink, LocalBlobReader
 from tiersave.storage.posix.buffers import address_of, aligned_buffer
-from tiersave.storage.posix.directio import probe_direct_io
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def ext4_dir(tmp_path: Path) -> Path:
-    if filesystem_type(tmp_path) in ("tmpfs", "ramfs", ""):
-        pytest.skip("needs a block-device file system for O_DIRECT alignment rules")
-    if not probe_direct_io(tmp_path):
-        pytest.skip("O_DIRECT refused here")
-    return tmp_path
-
-
-def _payload(n: int, seed: int = 1) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
 def _dest(size: int, kind: str, offset: int) -> memoryview:

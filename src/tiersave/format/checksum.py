@@ -1,7 +1,9 @@
-"""Per-chunk CRC-32C checksums (docs/format.md section 4)."""
+"""Per-chunk CRC-32C checksums (docs/format.md section 4): taking them, alone or in the same pass as a copy,
+and combining the checksums of consecutive pieces."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 
 import crc32c as _crc32c
@@ -17,6 +19,24 @@ def crc32c_hex(data: memoryview | bytes | bytearray) -> str:
 def crc32c_update(crc: int, data: memoryview | bytes | bytearray) -> int:
     """Continue a CRC-32C over more bytes (for a chunk that arrives in pieces)."""
     return int(_crc32c.crc32c(data, crc))
+
+
+FUSE_BYTES = 256 << 10
+"""A piece copied then checksummed: small enough to stay in a core's L2 cache between the two."""
+
+
+def copy_checksum(crc: int, dst: memoryview, dst_addr: int, src_addr: int) -> int:
+    """Copy ``len(dst)`` bytes from address ``src_addr`` into ``dst`` (a ``B`` view at address ``dst_addr``)
+    and return ``crc`` continued over them: each piece of ``FUSE_BYTES`` is checksummed right after its copy,
+    while it is still in cache, so the checksum does not read the bytes back from memory (both calls release
+    the GIL). For a save's staging copy and a restore's copy out of a bounce buffer; measured here: copy then
+    CRC 190-220 ms per GiB, fused 125-165 ms (docs/benchmarks.md)."""
+    memmove, n = ctypes.memmove, len(dst)
+    for off in range(0, n, FUSE_BYTES):
+        k = min(FUSE_BYTES, n - off)
+        memmove(dst_addr + off, src_addr + off, k)
+        crc = _crc32c.crc32c(dst[off : off + k], crc)
+    return crc
 
 
 def chunk_count(nbytes: int, chunk_bytes: int) -> int:

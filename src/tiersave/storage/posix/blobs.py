@@ -13,7 +13,6 @@ Anti-scope: opening the files and everything else of the storage protocol
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import threading
@@ -22,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ...errors import CorruptCheckpointError, StorageError
-from ...format.checksum import crc32c_update
+from ...format.checksum import copy_checksum, crc32c_update
 from .buffers import address_of
 from .directio import (
     BouncePool,
@@ -287,10 +286,6 @@ class LocalBlobWriter:
         self._discard()
 
 
-_FUSE_BYTES = 256 << 10
-"""A piece copied out of a bounce buffer, then checksummed: small enough to stay in a core's L2 between the two."""
-
-
 class ChecksumSink:
     """The CRC-32C of the bytes a direct read fills (a :class:`~tiersave.storage.posix.directio.ReadSink`).
 
@@ -308,16 +303,7 @@ class ChecksumSink:
         self.crc = 0
 
     def copy(self, dst: memoryview, src: memoryview) -> None:
-        n = len(src)
-        if not n:
-            return
-        crc, memmove, update = self.crc, ctypes.memmove, crc32c_update
-        d, s = address_of(dst), address_of(src)
-        for off in range(0, n, _FUSE_BYTES):
-            k = min(_FUSE_BYTES, n - off)
-            memmove(d + off, s + off, k)  # both calls release the GIL
-            crc = update(crc, dst[off : off + k])
-        self.crc = crc
+        self.crc = copy_checksum(self.crc, dst, address_of(dst), address_of(src))
 
     def landed(self, view: memoryview) -> None:
         self.crc = crc32c_update(self.crc, view)
