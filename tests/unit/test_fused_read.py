@@ -9,6 +9,7 @@ Real files on the real POSIX storage with O_DIRECT (``/tmp`` is ext4 here).
 
 from __future__ import annotations
 
+import errno
 import json
 import uuid
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from helpers import random_bytes as _payload
 from tiersave import Checkpointer
 from tiersave.errors import CorruptCheckpointError
 from tiersave.storage.memory import MemoryStorage
-from tiersave.storage.posix import LocalStorage, directio
+from tiersave.storage.posix import LocalStorage, directio, vectored
 from tiersave.storage.posix.blobs import ChecksumSink, LocalBlobReader
 from tiersave.storage.posix.buffers import address_of, aligned_buffer
 
@@ -109,6 +110,54 @@ def test_read_ranges_crc_gives_each_range_its_crc(ext4_dir: Path, io: str, pool_
         for (off, view), crc in zip(ranges, crcs, strict=True):
             assert bytes(view) == data[off : off + len(view)], off
             assert crc == crc32c.crc32c(data[off : off + len(view)]), off
+    finally:
+        storage.close()
+
+
+def _refused_on_call(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, nth: int) -> None:
+    """The ``nth`` call of ``module.name`` fails as a file system refusing O_DIRECT does (EINVAL)."""
+    real, calls = getattr(module, name), [0]
+
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == nth:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, refusing)
+
+
+def test_o_direct_refused_midway_checksums_every_byte_once(ext4_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Direct I/O refused after part of a read was already checksummed (the bounced head), and the read done
+    again buffered: the CRC restarts, else a good checkpoint would fail its check. Single and vectored reads."""
+    data = _payload(3 * MiB)
+    (ext4_dir / "blob").write_bytes(data)
+    storage = LocalStorage(ext4_dir, io="direct")
+    try:
+        reader = storage.open_reader("blob")
+        assert isinstance(reader, LocalBlobReader)
+        off, size = 4096 + 100, MiB + 333
+        out = aligned_buffer(size + 4096)[100 : 100 + size]  # congruent: a bounced head, then the middle in place
+        _refused_on_call(monkeypatch, directio, "_pread_all", 2)  # the head's read went through; the middle's not
+        crc = reader.read_into_crc(off, out)
+        monkeypatch.undo()
+        assert bytes(out) == data[off : off + size] and crc == crc32c.crc32c(data[off : off + size])
+        assert "buffered" in reader.io_stats.to_json()["paths"]
+        reader.close()
+    finally:
+        storage.close()
+    storage = LocalStorage(ext4_dir, io="direct")
+    storage.bounce_pool = directio.BouncePool(8192)  # many windows: the third preadv is refused
+    try:
+        reader = storage.open_reader("blob")
+        assert isinstance(reader, LocalBlobReader)
+        ranges = [(100, _dest(300_000, "unaligned", 100)), (303104 + 64, _dest(500_000, "unaligned", 303104 + 64))]
+        _refused_on_call(monkeypatch, vectored, "_preadv_all", 3)
+        crcs = reader.read_ranges_crc(ranges)
+        monkeypatch.undo()
+        for (o, view), c in zip(ranges, crcs, strict=True):
+            assert bytes(view) == data[o : o + len(view)] and c == crc32c.crc32c(data[o : o + len(view)]), o
+        reader.close()
     finally:
         storage.close()
 
@@ -250,7 +299,7 @@ def test_a_truncated_shard_fails_clearly(ext4_dir: Path) -> None:
                 ck.restore(1, into=into)
 
 
-# -- the memory tier: buffered reads from tmpfs, each piece checksummed right after it was read ---------------
+# -- the memory tier: buffered reads from tmpfs, checksummed after each whole read ---------------------------
 
 
 @pytest.fixture
