@@ -58,18 +58,30 @@ class Writer:
         deadline = time.monotonic() + 60
         while not self.ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"the writer did not start: {self.proc.stderr.read().decode()[-2000:]}")
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+                err = self.proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+                self._close_pipe()
+                raise AssertionError(f"the writer did not start: {err}")
             time.sleep(0.05)
 
     def finish(self) -> None:
         self.done.touch()
-        assert self.proc.wait(timeout=60) == 0
+        code = self.proc.wait(timeout=60)
+        self._close_pipe()
+        assert code == 0
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        """The stderr pipe, once the process ended (left open, the garbage collector closed it later with a
+        ResourceWarning in whichever test ran then)."""
+        if self.proc.stderr is not None and not self.proc.stderr.closed:
+            self.proc.stderr.close()
 
 
 @pytest.fixture
