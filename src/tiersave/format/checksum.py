@@ -35,7 +35,7 @@ def copy_checksum(crc: int, dst: memoryview, dst_addr: int, src_addr: int) -> in
     for off in range(0, n, FUSE_BYTES):
         k = min(FUSE_BYTES, n - off)
         memmove(dst_addr + off, src_addr + off, k)
-        crc = _crc32c.crc32c(dst[off : off + k], crc)
+        crc = crc32c_update(crc, dst[off : off + k])
     return crc
 
 
