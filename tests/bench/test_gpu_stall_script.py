@@ -57,3 +57,19 @@ def test_without_a_gpu_the_default_device_is_refused_with_a_clear_message(tmp_pa
         check=False,
     )
     assert proc.returncode != 0 and "no CUDA device here" in proc.stderr
+
+
+def test_a_tiny_cuda_run_restores_what_it_saved(tmp_path: Path) -> None:
+    """Where a GPU exists: the same tiny run on CUDA tensors (pinned buffers, side streams, DCP's pinned stager)."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    env = dict(os.environ, PYTHONPATH=str(SCRIPT.parents[1] / "src"))
+    args = ["--dir", str(tmp_path / "ckpt"), "--gb", "0.05", "--reps", "1", "--no-drop-caches"]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tiersave save_async held / dcp async_save held" in proc.stdout
