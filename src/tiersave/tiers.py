@@ -464,7 +464,7 @@ class TierChain:
                     f"tier {tier.name} ({tier.storage.uri}) cannot keep up: it is still copying an earlier "
                     f"checkpoint ({running:.1f} s so far) for the second save in a row; it now gets every "
                     f"{ordinal(tier.every)} checkpoint (configured: every {ordinal(tier.spec.every)}; the newest "
-                    f"is sent as soon as it is idle; {tier.skipped} deferred so far)"
+                    f"of those is sent as soon as it is idle; {tier.skipped} deferred so far)"
                 )
             return
         future: Future[CheckpointInfo | None] = Future()

@@ -152,7 +152,11 @@ def test_retention_never_deletes_a_drain_source_and_a_busy_tier_catches_up(mem_u
     ]
 
 
-def test_a_tier_idle_after_a_burst_ends_with_the_newest_checkpoint(mem_uri, tmp_path):
+def test_a_tier_idle_after_a_burst_ends_with_the_newest_checkpoint_its_cadence_selected(mem_uri, tmp_path):
+    """Saves found the tier busy are deferred and the newest of them is caught up on: the tier ends holding the
+    newest save its cadence selected. That is step 6 unless the burst widened the cadence, and how far it
+    widens depends on the measured gaps between saves (on a loaded machine every 4th, leaving 5 and 6 out):
+    the event log says which saves were selected (sent or deferred)."""
     slow = FaultyStorage(LocalStorage(tmp_path / "slow"), delays={"finish": 0.3})
     with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(slow, name="slow")]) as ckpt:
         with warnings.catch_warnings():
@@ -160,9 +164,17 @@ def test_a_tier_idle_after_a_burst_ends_with_the_newest_checkpoint(mem_uri, tmp_
             for step in range(1, 7):
                 ckpt.save(step, state_for(step))
         assert ckpt.wait(60)
-        assert ckpt._chain.tiers[1].catalog.steps()[-1] == 6
+        tier = ckpt._chain.tiers[1]
+        events = tiersave.events.read_events(tmp_path / "slow" / "tiersave-events.jsonl")
+        selected = [
+            e["step"] for e in events if e.get("tier") == "slow" and e["outcome"] in ("drained", "drain_deferred")
+        ]
+        assert 2 in selected  # step 1's drain takes 0.3 s: step 2 found the tier busy and was deferred, not dropped
+        newest = max(selected)
+        assert tier.every > 1 or newest == 6  # not widened: every save was selected
+        assert tier.catalog.steps()[-1] == newest  # the deferred newest was caught up on, not lost
     with tiersave.Checkpointer(tiers=[Tier(tmp_path / "slow")]) as reopened:
-        assert reopened.latest().step == 6
+        assert reopened.latest().step == newest
 
 
 def test_a_failed_drain_is_reported_and_the_checkpoint_stays_safe(mem_uri, tmp_path):
