@@ -136,14 +136,20 @@ def test_watch_tag_yields_each_move_in_process(root):
         ckpt.tag(1, "serving")
         feed = tiersave.watch(root, tag="serving", poll_s=0.01, timeout_s=5)
 
-        def move():
-            for step in (3, 2):  # forward, then back: both are moves
-                time.sleep(0.1)
-                ckpt.tag(step, "serving")
+        first_seen = threading.Event()
+
+        def move():  # forward, then back: both are moves
+            time.sleep(0.1)
+            ckpt.tag(3, "serving")
+            # the feed yields where the tag points when it looks: the move back waits until 3 was seen
+            assert first_seen.wait(30)
+            ckpt.tag(2, "serving")
 
         thread = threading.Thread(target=move)
         thread.start()
-        seen = [next(feed).step for _ in range(2)]
+        seen = [next(feed).step]
+        first_seen.set()
+        seen.append(next(feed).step)
         thread.join()
     assert seen == [3, 2]
     assert [i.step for i in tiersave.watch(root, tag="serving", include_existing=True, timeout_s=0.05)] == [2]
