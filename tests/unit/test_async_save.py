@@ -68,13 +68,24 @@ def test_changes_after_save_async_never_leak_into_the_checkpoint(root):
 def test_streaming_through_a_budget_smaller_than_the_state(root):
     state = big_state(2, mib=8)
     budget = 256 << 10  # 256 KiB of staging for an 8 MiB state
-    gate = threading.Event()
+
+    class Gate(threading.Event):  # says when a write first waits on it: the hold below starts there
+        def __init__(self) -> None:
+            super().__init__()
+            self.reached = threading.Event()
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.reached.set()
+            return super().wait(timeout)
+
+    gate = Gate()
     storage = FaultyStorage(LocalStorage(root), gates={"write_at": gate})
     with tiersave.Checkpointer(storage, staging_bytes=budget, io_threads=3) as ckpt:
         result: dict = {}
         saver = threading.Thread(target=lambda: result.update(handle=ckpt.save_async(1, state)))
         saver.start()
-        saver.join(0.5)
+        assert gate.reached.wait(30)
+        saver.join(0.8)
         assert saver.is_alive()  # back-pressure: the ring is full and no write may finish
         gate.set()
         saver.join(60)

@@ -75,7 +75,9 @@ def test_changes_by_optimizer_step_after_save_async_never_leak_into_the_checkpoi
         handle = ckpt.save_async(1, state, lazy=lazy)
         assert handle.staged() is not lazy  # lazy: the guarded tensors are not copied yet
         stepper, out = run_in_thread(optim.step)  # training goes on at once
-        stepper.join(0.3 if lazy else 30)  # eager: nothing holds the step, however loaded the machine
+        # lazy: held 1 s, so a stepper thread that reaches the guard late still waits well over 0.2 s;
+        # eager: nothing holds the step, however loaded the machine
+        stepper.join(1.0 if lazy else 30)
         assert stepper.is_alive() is lazy  # lazy: step() waits for the staging of what it changes
         state["np"][:] = -1  # not guarded: copied before save_async returned
         gate.set()
