@@ -70,8 +70,10 @@ _READER = textwrap.dedent(
 @pytest.fixture(params=["local", "mem", "s3"])
 def tier(request, tmp_path, monkeypatch) -> Any:
     """``(uri, storage, env)``: a root on the tier, a storage on it in this process, the writer's environment."""
-    env = {"PYTHONPATH": SRC, "TIERSAVE_READ_LEASE_TTL_S": "2"}
-    monkeypatch.setenv("TIERSAVE_READ_LEASE_TTL_S", "2")
+    # 3 s: a deletion pass must write its record and read the leases within half of it (a loaded machine's
+    # fsync can take a second), and a stopped reader's lease must still expire within the test
+    env = {"PYTHONPATH": SRC, "TIERSAVE_READ_LEASE_TTL_S": "3"}
+    monkeypatch.setenv("TIERSAVE_READ_LEASE_TTL_S", "3")
     if request.param == "local":
         uri = str(tmp_path / "root")
         yield uri, LocalStorage(uri), env
@@ -214,7 +216,7 @@ def test_a_dead_or_stopped_readers_lease_stops_holding_its_step(tier, tmp_path, 
             if signal_ == signal.SIGSTOP:  # alive but renewing no more: held until its time to live passes
                 writer.save(3, {"w": torch.ones(8)})
                 assert writer.catalog.steps() == [1, 3]
-                time.sleep(2 + 1.5)
+                time.sleep(3 + 1.5)
             else:
                 reader.wait(timeout=30)
             writer.save(4, {"w": torch.ones(8)})
