@@ -50,7 +50,8 @@ def test_a_committed_save_whose_drain_is_stuck_is_named_committed(tmp_path: Path
     finally:
         gate.set()
     assert "the save of step 1 is committed in" in message, message
-    assert "its follow-up did not finish before close: the drain to tier slow" in message, message
+    # the drain is named among what did not finish (an idle retention thread slow to answer may come first)
+    assert "its follow-up did not finish before close: " in message and "the drain to tier slow" in message, message
     assert "not visible" not in message and "previous one" not in message, message
     with tiersave.Checkpointer(tmp_path / "fast", handle_sigterm=False) as again:
         assert again.catalog.steps() == [1]  # what the message says: step 1 is there
