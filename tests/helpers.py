@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +180,22 @@ def manifest_doc(
 def random_bytes(n: int, seed: int = 1) -> bytes:
     """``n`` reproducible pseudo-random bytes."""
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_benchmark(
+    script: str, *args: str, timeout: float = 240, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``benchmarks/<script>`` in a fresh interpreter on this checkout's sources; the finished process."""
+    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

@@ -5,26 +5,18 @@ tables, so the command is known to work before a GPU machine runs it."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_stall.py"
+import pytest
+import torch
+
+from helpers import run_benchmark
 
 
 def test_a_tiny_cpu_run_times_every_method_and_restores_what_it_saved(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(SCRIPT.parents[1] / "src"))
     out = tmp_path / "result.json"
     args = ["--dir", str(tmp_path / "ckpt"), "--gb", "0.02", "--reps", "1", "--device", "cpu", "--no-drop-caches"]
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--json", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run_benchmark("gpu_stall.py", *args, "--json", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["saves"]) == {
@@ -42,34 +34,17 @@ def test_a_tiny_cpu_run_times_every_method_and_restores_what_it_saved(tmp_path: 
 
 
 def test_without_a_gpu_the_default_device_is_refused_with_a_clear_message(tmp_path: Path) -> None:
-    import pytest
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: the default runs")
-    env = dict(os.environ, PYTHONPATH=str(SCRIPT.parents[1] / "src"))
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--gb", "0.01"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = run_benchmark("gpu_stall.py", "--dir", str(tmp_path), "--gb", "0.01", timeout=120)
     assert proc.returncode != 0 and "no CUDA device here" in proc.stderr
 
 
 def test_a_tiny_cuda_run_restores_what_it_saved(tmp_path: Path) -> None:
     """Where a GPU exists: the same tiny run on CUDA tensors (pinned buffers, side streams, DCP's pinned stager)."""
-    import pytest
-    import torch
-
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    env = dict(os.environ, PYTHONPATH=str(SCRIPT.parents[1] / "src"))
     args = ["--dir", str(tmp_path / "ckpt"), "--gb", "0.05", "--reps", "1", "--no-drop-caches"]
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
+    proc = run_benchmark("gpu_stall.py", *args, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tiersave save_async held / dcp async_save held" in proc.stdout

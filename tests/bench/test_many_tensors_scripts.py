@@ -5,28 +5,16 @@ profiles they are asked for."""
 from __future__ import annotations
 
 import json
-import os
 import pstats
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from helpers import run_benchmark
 
 
 def _run(script: str, *args: str, cwd: Path) -> str:
-    env = dict(os.environ, PYTHONPATH=str(BENCH.parent / "src"))
-    done = subprocess.run(
-        [sys.executable, str(BENCH / script), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    done = run_benchmark(script, *args, cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
