@@ -71,7 +71,7 @@ class Floor:
         for t in state.values():
             self.views.append(self.buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape))
             offset += t.nbytes
-        self.stream = torch.cuda.Stream() if device == "cuda" else None
+        self.stream = torch.cuda.Stream() if device == "cuda" else None  # type: ignore[no-untyped-call]
 
     def save(self, state: State) -> dict[str, float]:
         start = time.perf_counter()

@@ -1,0 +1,96 @@
+"""Does copying in pieces below glibc's ``rep movsb`` ceiling make staging copies faster here?
+
+glibc's ``memcpy`` picks its method by size (``ld.so --list-diagnostics``: ``rep_movsb_stop_threshold``,
+``non_temporal_threshold``): ``rep movsb`` below the first, a vector loop up to the second, non-temporal
+stores above. A staging copy of 1-64 MiB units takes the vector loop. This times, into a warm buffer:
+
+- one thread: one ``memmove`` per copy of ``--mb`` MiB against the same bytes in pieces of several sizes;
+- the copier's threads (``HostCopier.copy_many``, as a ``save_async`` of host tensors stages): whole copies of
+  the GPT-like state's tensors against the same copies cut into ``--piece-kib`` pieces, and torch's own
+  ``Tensor.copy_`` of every tensor (its OpenMP threads; what DLRover's memory save does).
+
+Rounds interleaved, order rotated; medians with ranges::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/memmove_pieces.py --mb 512 --state-gb 3 --reps 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from tiersave.bench.workload import build_state, empty_like_state, gpt_like_spec
+from tiersave.engine.stage import HostCopier
+
+
+def _pieces(copies: list[tuple[int, int, int]], piece: int) -> list[tuple[int, int, int]]:
+    return [(d + o, s + o, min(piece, n - o)) for d, s, n in copies for o in range(0, n, piece)]
+
+
+def _time(methods: Mapping[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    names = list(methods)
+    out: dict[str, list[float]] = {name: [] for name in methods}
+    for r in range(reps):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            methods[name]()
+            out[name].append(time.perf_counter() - start)
+    return out
+
+
+def _print(title: str, gb: float, times: dict[str, list[float]]) -> None:
+    print(title)
+    for name, v in times.items():
+        med = statistics.median(v)
+        print(f"  {name:34s} {med * 1e3:8.1f} ms ({min(v) * 1e3:.1f}-{max(v) * 1e3:.1f})  {gb / med:5.1f} GB/s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mb", type=int, default=512, help="one thread: MiB copied per round")
+    p.add_argument("--state-gb", type=float, default=1.0, help="the copier's threads: state size in GB")
+    p.add_argument("--piece-kib", type=int, default=512)
+    p.add_argument("--reps", type=int, default=7)
+    args = p.parse_args()
+    print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
+
+    n = args.mb << 20
+    src, dst = torch.ones(n + 4096, dtype=torch.uint8), torch.zeros(n + 4096, dtype=torch.uint8)
+    one = [(dst.data_ptr() + 64, src.data_ptr() + 64, n)]  # 64 B past the allocation, as torch tensors lie
+    mm = ctypes.memmove
+
+    def copier_of(cut: list[tuple[int, int, int]]) -> Callable[[], object]:
+        return lambda: [mm(*c) for c in cut]
+
+    single: dict[str, Callable[[], object]] = {"one memmove": copier_of(one)}
+    for kib in (64, 256, 512, 1024, 8192):
+        single[f"pieces of {kib} KiB"] = copier_of(_pieces(one, kib << 10))
+    _print(f"one thread, {args.mb} MiB", n / 1e9, _time(single, args.reps))
+
+    spec = gpt_like_spec(target_bytes=int(args.state_gb * 1e9))
+    state, into = build_state(spec), empty_like_state(spec)
+    for t in into.values():
+        t.zero_()
+    copies = [(d.data_ptr(), s.data_ptr(), s.nbytes) for d, s in zip(into.values(), state.values())]
+    cut = _pieces(copies, args.piece_kib << 10)
+    copier = HostCopier()
+    try:
+        many: dict[str, Callable[[], object]] = {
+            "copy_many, whole tensors": lambda: copier.copy_many(copies),
+            f"copy_many, {args.piece_kib} KiB pieces": lambda: copier.copy_many(cut),
+            "torch copy_ (DLRover-like)": lambda: [d.copy_(s) for d, s in zip(into.values(), state.values())],
+        }
+        gb = sum(c[2] for c in copies) / 1e9
+        _print(f"the copier's {copier.threads} threads, GPT-like state {gb:.2f} GB", gb, _time(many, args.reps))
+    finally:
+        copier.close()
+
+
+if __name__ == "__main__":
+    main()
