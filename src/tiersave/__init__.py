@@ -53,7 +53,7 @@ if _typing.TYPE_CHECKING:  # pragma: no cover
     from .handle import SaveStats as SaveStats
     from .restore import RestoreReport as RestoreReport
     from .rng import RNGState as RNGState
-    from .tiers import Tier as Tier
+    from .tierspec import Tier as Tier
     from .watch import watch as watch
 
 __all__ = [

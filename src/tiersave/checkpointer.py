@@ -57,7 +57,8 @@ from .saving import Saver, SaveRequest, complete_and_follow
 from .storage.base import Storage
 from .storage.lock import RootLocks
 from .tags import MovableTag, tag_step
-from .tiers import Tier, TierChain, to_policy
+from .tiers import TierChain
+from .tierspec import Tier, to_policy
 
 __all__ = ["Checkpointer"]
 

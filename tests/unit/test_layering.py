@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiersave.collective",
             "tiersave.replicated",
             "tiersave.tiers",
+            "tiersave.tierspec",
             "tiersave.reclaim",
             "tiersave.drain",
             "tiersave.drain_refs",

@@ -58,7 +58,7 @@ def _catalog(root: str) -> Any:
 
 
 def _ls(args: argparse.Namespace, out: Output) -> int:
-    from ..tiers import default_name
+    from ..tierspec import default_name
 
     catalogs = [_catalog(root) for root in args.root]
     names = [default_name(root, c.storage) for root, c in zip(args.root, catalogs)]

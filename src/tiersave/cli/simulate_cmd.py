@@ -201,7 +201,7 @@ def _measured_saves(root: str) -> tuple[list[dict[str, Any]], str]:
         return read_events(path / EVENTS_NAME), str(path / EVENTS_NAME)
     from ..catalog import Catalog
     from ..storage import open_storage
-    from ..tiers import default_name
+    from ..tierspec import default_name
 
     storage = open_storage(root, create=False)
     catalog = Catalog(storage)
