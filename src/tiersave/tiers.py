@@ -88,6 +88,7 @@ class TierRuntime:
         self.considered = 0
         self.last_sent_mono: float | None = None
         self.widened_every = 1
+        self.configured_due = False  # set by due(): the configured cadence, before any widening, selects the save
         self.last_drain_s = 0.0
         self.skipped = 0
         self.warned_unhashed = False  # drain_refs.py: said once that the source has no content hashes
@@ -107,13 +108,17 @@ class TierRuntime:
         return max(self.spec.every, self.widened_every)
 
     def due(self, now_mono: float) -> bool:
-        """Whether the save being committed now goes to this tier (advances the save counter)."""
+        """Whether the save being committed now goes to this tier (advances the save counter); ``configured_due``
+        then says whether the configured cadence selects it, widened or not."""
         self.considered += 1
         if self.index == 0:
+            self.configured_due = True
             return True
         if self.spec.every_s is not None:
-            interval = self.spec.every_s * self.widened_every
-            return self.last_sent_mono is None or now_mono - self.last_sent_mono >= interval
+            since = math.inf if self.last_sent_mono is None else now_mono - self.last_sent_mono
+            self.configured_due = since >= self.spec.every_s
+            return since >= self.spec.every_s * self.widened_every
+        self.configured_due = self.considered % self.spec.every == 0
         return self.considered % self.every == 0
 
     def newest(self) -> int:
@@ -337,8 +342,12 @@ class TierChain:
             }
         )
         for tier in self.tiers[1:]:
-            if tier.drainer is not None and tier.due(now):  # else drained elsewhere: the owner counts the saves
+            if tier.drainer is None:  # drained elsewhere: the owner counts the saves
+                continue
+            if tier.due(now):
                 self._send(tier, handle, now)
+            elif tier.configured_due:
+                self._supersede(tier, handle)
         handle._set_result(info)
         # retention, and the leftovers of dead writers of this host (a killed save's temporary files)
         self.retain(self.first, self.first.policy, leftovers=True, reclaim=self.reclaimer.later)
@@ -396,6 +405,20 @@ class TierChain:
         tier.last_sent_mono = now
         self.protection.hold(0, handle.step)  # the source copy must outlive the drain
         tier.drainer.submit(self._drain, tier, handle.step, future)
+
+    def _supersede(self, tier: TierRuntime, handle: SaveHandle) -> None:
+        """A save that the tier's configured cadence selects but its widened one leaves out replaces the save
+        waiting to catch up there: still one catch-up, of a newer checkpoint, so a tier that cannot keep up ends a
+        burst with the newest save it would have been sent. To an idle tier it is not sent (that is the widening)."""
+        with self._lock:
+            older = tier.behind
+            if not tier.draining or older is None:
+                return
+            tier.behind = handle.step
+            self.protection.hold(0, handle.step)  # the catch-up's source must outlive it
+            self.protection.release(0, older)
+        event = {"step": handle.step, "tier": tier.name, "outcome": "drain_deferred", "time": time.time()}
+        self.log({**event, "reason": f"replaces step {older}, waiting to catch up (the tier's cadence is widened)"})
 
     def _needed_every(self, drain_s: float) -> int:
         """How many saves apart a tier whose drain takes ``drain_s`` must receive them to keep up (the

@@ -177,6 +177,43 @@ def test_a_tier_idle_after_a_burst_ends_with_the_newest_checkpoint_its_cadence_s
         assert reopened.latest().step == newest
 
 
+def test_a_widened_tier_catches_up_on_the_newest_save_of_its_configured_cadence(mem_uri, tmp_path):
+    """Saves that a widened cadence leaves out, but the configured one selects, replace the save waiting to catch
+    up while the tier is busy: still one catch-up, of the newest checkpoint (it used to be the older save that
+    happened to be due under the widened cadence). To an idle tier they are not sent: the widening holds."""
+    gate = threading.Event()
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(slow, name="slow")]) as ckpt:
+        tier = ckpt._chain.tiers[1]
+        try:
+            ckpt.save(1, state_for(1))  # its drain waits at the gate
+            ckpt.save(2, state_for(2))  # due, found busy: deferred
+            # as if the tier had been measured unable to keep up (how far it widens depends on timing): no later
+            # save is due under the widened cadence, every one under the configured one
+            tier.widened_every = 100
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no widening warning: these saves are not due
+                ckpt.save(3, state_for(3))
+                ckpt.save(4, state_for(4))
+        finally:
+            gate.set()
+        assert ckpt.wait(60)
+        assert tier.catalog.steps() == [1, 4]  # one catch-up, of the newest save
+        ckpt.save(5, state_for(5))  # the tier is idle now: the widened cadence leaves 5 out
+        assert ckpt.wait(60)
+        assert tier.catalog.steps() == [1, 4]
+        assert ckpt._chain.tiers[0].catalog.steps()[-1] == 5
+    events = tiersave.events.read_events(tmp_path / "slow" / "tiersave-events.jsonl")
+    assert [(e["step"], e["outcome"]) for e in events if e.get("tier") == "slow"] == [
+        (2, "drain_deferred"),
+        (3, "drain_deferred"),
+        (4, "drain_deferred"),
+        (1, "drained"),
+        (4, "catch_up"),
+        (4, "drained"),
+    ]
+
+
 def test_a_failed_drain_is_reported_and_the_checkpoint_stays_safe(mem_uri, tmp_path):
     flaky = FaultyStorage(LocalStorage(tmp_path / "flaky"), [Fault("finish", 1)])
     with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(flaky, name="flaky")]) as ckpt:
