@@ -38,7 +38,7 @@ from .format.manifest import Manifest, TensorEntry
 from .format.view import RankPart
 from .leases import LeaseStore, ReadLease, Reclaim, delete_committed
 from .policy import KeepLast, RetentionPolicy, plan_retention
-from .references import Pins, referenced
+from .references import Pins, unneeded
 from .storage.base import BlobReader, Storage
 from .tags import TagStore
 
@@ -516,51 +516,36 @@ class Catalog:
             keep = {*protected, *(t.step for t in tagged.values())}
             doomed = list(plan_retention(infos, chosen, protected=keep).delete)
         pinned, generation = self.pins.pinned()
-        doomed = self._unreferenced(doomed, pinned)
+        doomed, refs = unneeded(doomed, pinned, steps, self.manifest)  # newest first
         found = self.leftovers() if leftovers else []
         removable = [n for n, s in found if s == "dead" or (s == "unknown" and force)]
-        if not dry_run:
-            done: list[int] = []
-            for step in doomed:
+        done: list[int] = []
+        spared: set[int] = set()  # what a doomed step left in place references: it stays too
+        for step in doomed:  # newest first: stopping early leaves every kept step's base in place
+            if dry_run:  # what a real pass would delete now: not the steps a reader holds (nor what they need)
+                if step not in spared and not self.leases.live(step):
+                    done.append(step)
+            else:
                 with self.pins.deleting(step, generation) as allowed:
                     if not allowed:  # a save pinned a base since: its references may be among these
                         break
-                    if step not in self.tags.by_step():  # not tagged since the plan (by another process)
+                    if step not in spared and step not in self.tags.by_step():  # not tagged since the plan
                         with self.leases.deleting(step) as unleased:  # no reader of another process holds it
                             if unleased:
                                 self.delete(step, reclaim)
                                 done.append(step)
-            doomed = done
+            if not done or done[-1] != step:
+                spared |= refs[step]
+        doomed = sorted(done)
+        if not dry_run:
             self.leases.clean(self.steps)  # expired leases of dead readers
             removable = self.clean_leftovers(force=force, reclaim=reclaim) if leftovers else []
-        else:  # what a real pass would delete now: not the steps a reader holds
-            doomed = [step for step in doomed if not self.leases.live(step)]
         return PruneResult(
             deleted=doomed,
             kept=[s for s in steps if s not in doomed],
             leftovers_removed=removable,
             live_saves=[n for n, s in found if s == "live"],
         )
-
-    def _unreferenced(self, doomed: list[int], pinned: Collection[int]) -> list[int]:
-        """``doomed`` less the pinned steps and the steps that a kept checkpoint references (docs/format.md
-        section 9). In a root of incremental saves, a kept manifest that cannot be read keeps every doomed
-        step: its references are unknown."""
-        if not doomed:
-            return doomed
-        doomed = [s for s in doomed if s not in pinned]
-        manifests, unreadable = [], False
-        for step in self.steps():
-            try:
-                manifests.append(self.manifest(step))
-            except CheckpointNotFoundError:
-                continue  # deleted meanwhile by someone else: it references nothing any more
-            except FormatError:
-                unreadable = unreadable or step not in doomed
-        if unreadable and any(s.content for m in manifests for s in m.shards):
-            return []
-        held = referenced(m for m in manifests if m.step not in doomed)
-        return [s for s in doomed if s not in held]
 
     def leftovers(self) -> list[tuple[str, str]]:
         """Leftovers of interrupted saves and deletes with their status: ``dead`` (interrupted), ``live``

@@ -1,10 +1,11 @@
 """Reference-aware retention and the base of incremental saves (docs/format.md section 9).
 
 A checkpoint written by an incremental save may reference shards held by earlier step directories. Retention
-must then never delete a step that a kept checkpoint references (mark from the kept manifests: references
-never chain, so one level suffices), nor the base an unfinished incremental save is about to reference
-(:class:`Pins`). Deleting stays the atomic un-commit of docs/format.md section 6, one step at a time, so a
-kill at any instant of retention leaves every kept checkpoint whole.
+must then never delete a step that a kept checkpoint references, nor what a step kept for that reason references
+in turn (:func:`deletable`; a reader follows one reference, never a chain), nor the base an unfinished
+incremental save is about to reference (:class:`Pins`). Deleting stays the atomic un-commit of docs/format.md
+section 6, one step at a time and newest first, so a kill at any instant of retention leaves every kept
+checkpoint whole.
 
 With many ranks, each rank references its own shards of the previous committed checkpoint (:func:`rank_base`):
 the same rank of a job of the same size; a checkpoint saved by another number of ranks is no base.
@@ -22,11 +23,11 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from .errors import ConfigError, SaveError
+from .errors import CheckpointNotFoundError, ConfigError, FormatError, SaveError
 from .format.layout import MANIFEST_NAME, step_dirname
 from .format.manifest import Manifest, TensorEntry
 from .storage.base import Storage
@@ -104,12 +105,48 @@ def rank_base(base: Manifest | None, rank: int, world_size: int) -> Manifest | N
     return replace(base, shards=shards, tensors=tensors, tree={})
 
 
-def referenced(manifests: Iterable[Manifest]) -> set[int]:
-    """Every step that holds shards referenced by one of ``manifests``."""
-    out: set[int] = set()
-    for manifest in manifests:
-        out |= manifest.referenced_steps
-    return out
+def deletable(doomed: Iterable[int], manifests: Iterable[Manifest]) -> tuple[list[int], dict[int, frozenset[int]]]:
+    """The steps of ``doomed`` that no kept checkpoint needs, newest first, and what each doomed step references.
+
+    A doomed step that a kept one references stays, and so does what it references in turn: a shard unchanged
+    for one save and then changed gives step 3 a reference into step 2 and step 2 one into step 1, and keeping
+    step 2 for step 3 while deleting step 1 would leave step 2 listed and broken. References point to earlier
+    steps, so one pass from the newest settles it. Deleting in that order (newest first) means a round that stops
+    early (a kill, a step tagged or leased since the plan) never leaves a kept step without its base, as long as
+    the caller also keeps what a step it did not delete references (the map returned)."""
+    refs = {m.step: m.referenced_steps for m in manifests}
+    doomed_set = set(doomed)
+    held: set[int] = set().union(*(r for step, r in refs.items() if step not in doomed_set))
+    out = []
+    for step in sorted(doomed_set, reverse=True):
+        if step in held:
+            held |= refs.get(step, frozenset())  # a step deleted meanwhile by someone else references nothing
+        else:
+            out.append(step)
+    return out, {step: refs.get(step, frozenset()) for step in doomed_set}
+
+
+def unneeded(
+    doomed: list[int], pinned: Collection[int], steps: Iterable[int], manifest_of: Callable[[int], Manifest]
+) -> tuple[list[int], dict[int, frozenset[int]]]:
+    """``doomed`` less the pinned steps and the steps a kept checkpoint needs (:func:`deletable`), newest first,
+    and what each doomed step references; ``steps`` are the root's committed steps, read with ``manifest_of``.
+    In a root of incremental saves, a kept manifest that cannot be read keeps every doomed step: its references
+    are unknown."""
+    doomed = [s for s in doomed if s not in pinned]
+    if not doomed:  # nothing to check: no manifest read
+        return [], {}
+    manifests, unreadable = [], False
+    for step in steps:
+        try:
+            manifests.append(manifest_of(step))
+        except CheckpointNotFoundError:
+            continue  # deleted meanwhile by someone else: it references nothing any more
+        except FormatError:
+            unreadable = unreadable or step not in doomed
+    if unreadable and any(s.content for m in manifests for s in m.shards):
+        return [], {}
+    return deletable(doomed, manifests)
 
 
 def check_holders(storage: Storage, manifest: Manifest) -> None:
