@@ -1,11 +1,12 @@
 """kill -9 at random instants of retention over incremental checkpoints: every checkpoint still listed
-afterwards restores bit for bit (docs/format.md section 9: a step is deleted only when no kept checkpoint
-references it, one atomic un-commit at a time)."""
+afterwards restores bit for bit (docs/format.md section 9: a step is deleted only when no checkpoint that stays
+references it, newest first, one atomic un-commit at a time)."""
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,26 +28,40 @@ print("done", flush=True)
 """
 
 
+BIG = (8 << 20) // 4 + 1024  # float32 elements just over 8 MiB: a shard of its own, referenced on its own
+
+
 def build(root: Path, rng: random.Random) -> dict[int, dict[str, torch.Tensor]]:
-    state = {"base": torch.randn(1 << 20), "head": torch.randn(300_000), "adapter": torch.zeros(1000)}
+    """Two large tensors changed one at a time (sometimes neither): a shard unchanged for one save and then
+    changed makes references chain through steps (3 -> 2 -> 1), which retention must keep whole."""
+    state = {"x": torch.randn(BIG), "y": torch.randn(BIG), "adapter": torch.zeros(1000)}
     saved = {}
-    with tiersave.Checkpointer(root, incremental=True, full_every=rng.randint(2, 5), chunk_bytes=1 << 20) as ckpt:
+    with tiersave.Checkpointer(root, incremental=True, full_every=rng.randint(3, 6), chunk_bytes=1 << 20) as ckpt:
         for step in range(1, 13):
             state["adapter"] += 1
-            if rng.random() < 0.3:
-                state["head"][rng.randrange(300_000)] += 1
+            changed = rng.choice(["x", "y", None])
+            if changed is not None:
+                state[changed][rng.randrange(BIG)] += 1
             ckpt.save(step, state)
             saved[step] = {k: v.clone() for k, v in state.items()}
     return saved
 
 
+def chains(root: Path) -> bool:
+    """Whether a checkpoint references a step that references another (what a one-level mark got wrong)."""
+    with tiersave.Checkpointer(root) as ckpt:
+        refs = {i.step: ckpt.catalog.manifest(i.step).referenced_steps for i in ckpt.list()}
+    return any(refs.get(r) for held in refs.values() for r in held)
+
+
 def test_kill_during_retention_leaves_every_kept_checkpoint_restorable(tmp_path, seed):
     rng = random.Random(seed)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    killed_midway = 0
+    killed_midway = chained = 0
     for attempt in range(6):
         root = tmp_path / f"root{attempt}"
         saved = build(root, rng)
+        chained += chains(root)
         proc = subprocess.Popen(
             [sys.executable, "-c", PRUNE, str(root), str(rng.randint(1, 3))],
             stdout=subprocess.PIPE,
@@ -73,4 +88,6 @@ def test_kill_during_retention_leaves_every_kept_checkpoint_restorable(tmp_path,
             ckpt.prune(1)  # a later retention finishes the job, still without breaking anything
             for step in (info.step for info in ckpt.list()):
                 assert ckpt.verify(step).ok
+        shutil.rmtree(root)  # about 100 MiB each
     assert killed_midway >= 1  # at least one kill landed before retention finished
+    assert chained >= 1  # and the roots held chains of references, the case a one-level mark broke
