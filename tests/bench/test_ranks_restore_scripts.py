@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
-from test_many_tensors_scripts import BENCH, _run  # the same tiny-run helper
+from test_many_tensors_scripts import _run  # the same tiny-run helper
+
+from helpers import run_benchmark
 
 
 def _free_port() -> int:
@@ -35,14 +34,7 @@ def test_ranks_restore_times_each_variant_on_both_ranks_and_summarizes(tmp_path:
 
 
 def test_ranks_restore_refuses_an_unknown_variant(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "ranks_restore.py"), "--variants", "fast"],
-        env=dict(os.environ, PYTHONPATH=str(BENCH.parent / "src")),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = run_benchmark("ranks_restore.py", "--variants", "fast", timeout=120)
     assert done.returncode == 2 and "unknown variant 'fast'" in done.stderr, done.stderr
 
 
