@@ -226,6 +226,7 @@ with tiersave.Checkpointer(tiers=tiers, incremental=True) as ckpt:
         print("saved", step, flush=True)
     ckpt.wait(60)
 print("done", flush=True)
+import time; time.sleep(600)  # a timed kill must find it alive, however fast the machine finished the saves
 """
 
 

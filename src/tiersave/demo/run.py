@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TiersaveError
+from ..format.layout import parse_step_dirname
 from ..units import human_bytes, table
 
 
@@ -115,9 +116,15 @@ def main(
     crash_proc = _worker([*common, "--ckpt", str(ckpt)])
     _follow(crash_proc, crashed, kill_at=kill_at)
     leftovers = sorted(p.name for p in ckpt.iterdir() if ".tmp-" in p.name) if ckpt.exists() else []
+    # what is on disk, not the saves started: the kill may land before the newest one committed
+    committed = (
+        sorted(s for s in (parse_step_dirname(p.name) for p in ckpt.iterdir()) if s is not None)
+        if ckpt.exists()
+        else []
+    )
     write(
         f"     killed at step {crashed.killed_at}; committed checkpoints: "
-        f"{', '.join(str(s['step']) for s in crashed.saves) or 'none'}"
+        f"{', '.join(str(s) for s in committed) or 'none'}"
         + (f"; partial save left invisible: {', '.join(leftovers)}" if leftovers else "")
     )
     write("  3. resumed run: a new process restores the newest checkpoint and trains to the end")
