@@ -245,6 +245,7 @@ class Catalog:
         self._cache: dict[int, Manifest] = {}
         self._lock = threading.Lock()
         self.pins = Pins()  # bases of this process's unfinished incremental saves: retention keeps them
+        self.kept_by_references = 0  # steps the last retention pass kept only because others reference them
         self.tags = TagStore(storage)  # movable tags (tags.py): retention keeps the steps they point to
         self.leases = LeaseStore(storage)  # read leases of other processes (leases.py): retention keeps those steps
 
@@ -517,6 +518,7 @@ class Catalog:
             doomed = list(plan_retention(infos, chosen, protected=keep).delete)
         pinned, generation = self.pins.pinned()
         doomed, refs = unneeded(doomed, pinned, steps, self.manifest)  # newest first
+        self.kept_by_references = len(refs) - len(doomed)  # a long chain makes the next save full (references.py)
         found = self.leftovers() if leftovers else []
         removable = [n for n, s in found if s == "dead" or (s == "unknown" and force)]
         done: list[int] = []

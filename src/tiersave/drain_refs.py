@@ -194,7 +194,7 @@ def drain_to(tier: DrainTier, source: Catalog, step: int) -> CopyResult:
                     tier.storage.uri,
                     step,
                 )
-            chosen = None if wants_full(base, tier.spec.full_every) else base
+            chosen = None if wants_full(base, tier.spec.full_every, tier.catalog.kept_by_references) else base
             run = functools.partial(run, refs=ShardRefs(tier.storage, manifest, chosen))
         return run(compress=tier.spec.compress) if tier.auto is None else tier.auto.drain(run)
     finally:

@@ -72,9 +72,19 @@ def chain_of(base: Manifest | None) -> int:
     return previous + 1
 
 
-def wants_full(base: Manifest | None, full_every: int | None) -> bool:
-    """True when the next save must be full: no base, or ``full_every`` saves since the last full one."""
-    return base is None or (full_every is not None and chain_of(base) >= full_every)
+MAX_KEPT_BY_REFERENCES = 8
+"""When retention keeps more steps than this only because later checkpoints reference them (a chain: tensors that
+change in turn, each save referencing the one before), the next incremental save or drain is a full one: the
+chain ends there and disk use stays bounded even with ``full_every=None``. A frozen base referenced by every save
+keeps one step, so it never triggers this."""
+
+
+def wants_full(base: Manifest | None, full_every: int | None, kept_by_references: int = 0) -> bool:
+    """True when the next save must be full: no base, ``full_every`` saves since the last full one, or a chain of
+    references that made retention keep more than :data:`MAX_KEPT_BY_REFERENCES` steps."""
+    if base is None or kept_by_references > MAX_KEPT_BY_REFERENCES:
+        return True
+    return full_every is not None and chain_of(base) >= full_every
 
 
 def rank_base(base: Manifest | None, rank: int, world_size: int) -> Manifest | None:

@@ -339,7 +339,7 @@ class Saver:
             self.force_full = False
             return None
         base = self.catalog.pin(self.last_step)  # after the first save, no listing on the caller's thread
-        if base is not None and (base.step >= step or wants_full(base, full_every)):
+        if base is not None and (base.step >= step or wants_full(base, full_every, self.catalog.kept_by_references)):
             self.catalog.pins.unpin(base.step)
             return None
         return base

@@ -170,3 +170,30 @@ def test_deletable_marks_what_kept_steps_need_transitively_newest_first():
     assert deletable([1, 2, 3], [*chain[:5], manifest(6, 3)])[0] == []  # 6 -> 3 -> 2 -> 1: the whole chain stays
     flat = [manifest(1), manifest(2, 1), manifest(3), manifest(4), manifest(5, 4), manifest(6)]
     assert deletable([1, 2, 4], flat)[0] == [2, 1]  # 4 stays for the kept 5; 2, and 1 with it, go
+
+
+@pytest.mark.parametrize("where", ["first", "later"])
+def test_a_chain_of_references_ends_in_a_full_save_without_full_every(tmp_path, where):
+    """Tensors changed in turn make every save reference the one before, so keeping a step keeps the whole chain;
+    without ``full_every`` disk use grew with every save. Once retention keeps more than
+    MAX_KEPT_BY_REFERENCES steps for references alone, the next save (or drain) is full and the chain ends."""
+    from tiersave.references import MAX_KEPT_BY_REFERENCES
+
+    if where == "first":
+        ckpt = tiersave.Checkpointer(tmp_path / "root", incremental=True, keep_last=2)
+    else:
+        tiers = [Tier(tmp_path / "fast", keep=2), Tier(tmp_path / "slow", name="slow", keep=2, incremental=True)]
+        ckpt = tiersave.Checkpointer(tiers=tiers, incremental=True, full_every=1)  # the first tier: all full saves
+    x, y = torch.zeros(N), torch.zeros(N)
+    with ckpt:
+        for step in range(1, 3 * MAX_KEPT_BY_REFERENCES):
+            (x if step % 2 else y).add_(1)  # in turn: each save references the other tensor in the one before
+            ckpt.save(step, {"x": x, "y": y})
+            assert ckpt.wait(60)
+        catalog = ckpt._chain.tiers[-1].catalog
+        steps = _every_listed_step_is_whole(catalog)
+        assert len(steps) <= 2 + MAX_KEPT_BY_REFERENCES + 1, steps  # bounded: kept, the chain, the full save
+        full = [s for s in steps if s > 1 and not catalog.manifest(s).referenced_steps]
+        assert full, steps  # a full save after the first ended the chain (and the older steps went)
+        restored = ckpt.restore(steps[-1])
+        assert torch.equal(restored["x"], x) and torch.equal(restored["y"], y)
