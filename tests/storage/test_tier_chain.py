@@ -199,6 +199,7 @@ def test_a_widened_tier_catches_up_on_the_newest_save_of_its_configured_cadence(
             gate.set()
         assert ckpt.wait(60)
         assert tier.catalog.steps() == [1, 4]  # one catch-up, of the newest save
+        tier.widened_every = 100  # again: the fast catch-up narrowed it back toward the measured need
         ckpt.save(5, state_for(5))  # the tier is idle now: the widened cadence leaves 5 out
         assert ckpt.wait(60)
         assert tier.catalog.steps() == [1, 4]
