@@ -40,7 +40,6 @@ import os
 import shutil
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ import torch
 
 import tiersave
 from tiersave.bench.device import evict
+from tiersave.bench.methods import single_process
 from tiersave.bench.workload import build_state, gpt_like_spec
 
 State = dict[str, torch.Tensor]
@@ -168,8 +168,7 @@ class DCPAsync:
         old = self._dir(self.index - 2)
         if old.exists():
             shutil.rmtree(old)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        with single_process():  # DCP warns that it assumes one process: it does here
             start = time.perf_counter()
             response = state_dict_saver.async_save(
                 state, checkpoint_id=self._dir(self.index), no_dist=True, async_stager=self.stager
@@ -190,8 +189,7 @@ class DCPAsync:
     def restore(self, state: State) -> float:
         from torch.distributed.checkpoint import state_dict_loader
 
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        with single_process():  # DCP warns that it assumes one process: it does here
             start = time.perf_counter()
             state_dict_loader.load(state, checkpoint_id=self._dir(self.index), no_dist=True)
         _sync(self.device)

@@ -88,7 +88,6 @@ class TierRuntime:
         self.considered = 0
         self.last_sent_mono: float | None = None
         self.widened_every = 1
-        self.configured_due = False  # set by due(): the configured cadence, before any widening, selects the save
         self.last_drain_s = 0.0
         self.skipped = 0
         self.warned_unhashed = False  # drain_refs.py: said once that the source has no content hashes
@@ -108,18 +107,19 @@ class TierRuntime:
         return max(self.spec.every, self.widened_every)
 
     def due(self, now_mono: float) -> bool:
-        """Whether the save being committed now goes to this tier (advances the save counter); ``configured_due``
-        then says whether the configured cadence selects it, widened or not."""
+        """Whether the save being committed now goes to this tier (advances the save counter)."""
         self.considered += 1
-        if self.index == 0:
-            self.configured_due = True
-            return True
+        return self.index == 0 or self._selects(now_mono, self.widened_every)
+
+    def configured_due(self, now_mono: float) -> bool:
+        """After :meth:`due`: whether the configured cadence, widened or not, selects that save."""
+        return self.index == 0 or self._selects(now_mono, 1)
+
+    def _selects(self, now_mono: float, widened: int) -> bool:
         if self.spec.every_s is not None:
             since = math.inf if self.last_sent_mono is None else now_mono - self.last_sent_mono
-            self.configured_due = since >= self.spec.every_s
-            return since >= self.spec.every_s * self.widened_every
-        self.configured_due = self.considered % self.spec.every == 0
-        return self.considered % self.every == 0
+            return since >= self.spec.every_s * widened
+        return self.considered % max(self.spec.every, widened) == 0
 
     def newest(self) -> int:
         """The newest committed step on this tier.
@@ -346,7 +346,7 @@ class TierChain:
                 continue
             if tier.due(now):
                 self._send(tier, handle, now)
-            elif tier.configured_due:
+            elif tier.configured_due(now):
                 self._supersede(tier, handle)
         handle._set_result(info)
         # retention, and the leftovers of dead writers of this host (a killed save's temporary files)
@@ -374,10 +374,7 @@ class TierChain:
             if deferred:
                 tier.skipped += 1
                 tier.busy_streak += 1
-                if tier.behind is not None:
-                    self.protection.release(0, tier.behind)  # superseded by a newer save to catch up on
-                tier.behind = handle.step
-                self.protection.hold(0, handle.step)  # the catch-up's source must outlive it
+                self._wait_behind(tier, handle.step)
                 running = now - (tier.last_sent_mono or now)
                 widen = tier.busy_streak >= 2
                 if widen:
@@ -388,8 +385,9 @@ class TierChain:
                     self.protection.release(0, tier.behind)
                     tier.behind = None
         if deferred:
-            event = {"step": handle.step, "tier": tier.name, "outcome": "drain_deferred", "time": time.time()}
-            self.log({**event, "reason": "previous drain still running; sent when it ends unless a newer save is"})
+            self._log_deferred(
+                tier, handle.step, "previous drain still running; sent when it ends unless a newer save is"
+            )
             if widen:
                 background_warning(
                     f"tier {tier.name} ({tier.storage.uri}) cannot keep up: it is still copying an earlier "
@@ -414,11 +412,18 @@ class TierChain:
             older = tier.behind
             if not tier.draining or older is None:
                 return
-            tier.behind = handle.step
-            self.protection.hold(0, handle.step)  # the catch-up's source must outlive it
-            self.protection.release(0, older)
-        event = {"step": handle.step, "tier": tier.name, "outcome": "drain_deferred", "time": time.time()}
-        self.log({**event, "reason": f"replaces step {older}, waiting to catch up (the tier's cadence is widened)"})
+            self._wait_behind(tier, handle.step)
+        self._log_deferred(tier, handle.step, f"replaces step {older}, waiting to catch up (the cadence is widened)")
+
+    def _wait_behind(self, tier: TierRuntime, step: int) -> None:
+        """Under ``self._lock``: ``step`` becomes the save to catch up on, superseding any other."""
+        if tier.behind is not None:
+            self.protection.release(0, tier.behind)
+        tier.behind = step
+        self.protection.hold(0, step)  # the catch-up's source must outlive it
+
+    def _log_deferred(self, tier: TierRuntime, step: int, reason: str) -> None:
+        self.log({"step": step, "tier": tier.name, "outcome": "drain_deferred", "time": time.time(), "reason": reason})
 
     def _needed_every(self, drain_s: float) -> int:
         """How many saves apart a tier whose drain takes ``drain_s`` must receive them to keep up (the

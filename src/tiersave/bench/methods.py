@@ -241,7 +241,7 @@ class SafetensorsMethod(Method):
 
 
 @contextlib.contextmanager
-def _single_process() -> Iterator[None]:
+def single_process() -> Iterator[None]:
     # DCP warns on every call that it assumes one process, even with no_dist=True: that is the intent.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -260,7 +260,7 @@ class DCPMethod(Method):
     def save(self, index: int, state: State) -> SaveTiming:
         from torch.distributed.checkpoint import state_dict_saver
 
-        with _single_process():
+        with single_process():
             start = time.perf_counter()
             state_dict_saver.save(state, checkpoint_id=self._dir(index), no_dist=True)
         seconds = time.perf_counter() - start
@@ -269,7 +269,7 @@ class DCPMethod(Method):
     def load(self, index: int, variant: str, template: State) -> tuple[float, State]:
         from torch.distributed.checkpoint import state_dict_loader
 
-        with _single_process():
+        with single_process():
             start = time.perf_counter()
             state_dict_loader.load(template, checkpoint_id=self._dir(index), no_dist=True)
         return time.perf_counter() - start, template
@@ -286,7 +286,7 @@ class DCPAsyncMethod(DCPMethod):
     def save(self, index: int, state: State) -> SaveTiming:
         from torch.distributed.checkpoint import state_dict_saver
 
-        with _single_process():  # the warning comes from the background thread too
+        with single_process():  # the warning comes from the background thread too
             start = time.perf_counter()
             response = state_dict_saver.async_save(state, checkpoint_id=self._dir(index), no_dist=True)
             blocked = time.perf_counter() - start

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..catalog import Catalog
 from ..errors import TiersaveError
-from ..format.layout import parse_step_dirname
+from ..storage import open_storage
 from ..units import human_bytes, table
 
 
@@ -117,11 +118,7 @@ def main(
     _follow(crash_proc, crashed, kill_at=kill_at)
     leftovers = sorted(p.name for p in ckpt.iterdir() if ".tmp-" in p.name) if ckpt.exists() else []
     # what is on disk, not the saves started: the kill may land before the newest one committed
-    committed = (
-        sorted(s for s in (parse_step_dirname(p.name) for p in ckpt.iterdir()) if s is not None)
-        if ckpt.exists()
-        else []
-    )
+    committed = Catalog(open_storage(str(ckpt), create=False)).steps() if ckpt.exists() else []
     write(
         f"     killed at step {crashed.killed_at}; committed checkpoints: "
         f"{', '.join(str(s) for s in committed) or 'none'}"
