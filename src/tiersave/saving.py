@@ -192,6 +192,7 @@ class Saver:
         self.checked_replicated: set[tuple[str, ...]] = set()  # declarations whose fingerprints agreed
         self.last_step: int | None = None  # the last step this Saver committed: the next incremental base
         self.force_full = False  # the next incremental save writes everything (its base lost a referenced step)
+        self.announced_kept = 0  # collective: rank 0's kept_by_references, as its last commit told every rank
         self.guard = Guard()  # what lazy saves may stage after save_async returns (lazy.py)
         self.layouts = LayoutCache(self.rank, group.world_size if group is not None else 1)  # savelayout.py
 
@@ -339,7 +340,8 @@ class Saver:
             self.force_full = False
             return None
         base = self.catalog.pin(self.last_step)  # after the first save, no listing on the caller's thread
-        if base is not None and (base.step >= step or wants_full(base, full_every, self.catalog.kept_by_references)):
+        kept = self.announced_kept if self.group is not None else self.catalog.kept_by_references  # see _announced
+        if base is not None and (base.step >= step or wants_full(base, full_every, kept)):
             self.catalog.pins.unpin(base.step)
             return None
         return base
@@ -438,7 +440,6 @@ class Saver:
         yes. Raises DistributedCheckpointError (on every rank) if any rank failed or the commit did."""
         assert self.group is not None
         request, stats = p.request, p.handle.stats
-
         phases: dict[str, float] = {}
 
         def commit(parts: list[Any]) -> Any:
@@ -463,7 +464,8 @@ class Saver:
             p.manifest = manifest
             stats.commit_s = time.perf_counter() - t_commit
             info = CheckpointInfo.from_manifest(manifest, self.catalog.location(request.step))
-            result = {**info.to_json(), "stats": info.stats}  # so no other rank reads the global manifest back
+            # stats: so no other rank reads the global manifest back; kept_by_references: see _announced
+            result = {**info.to_json(), "stats": info.stats, "kept_by_references": self.catalog.kept_by_references}
             if self.node_ranks is not None:  # every node's leader commits it over its own node's shards
                 result["manifest"] = data.decode()
                 if p.drains is not None:  # and drains its part to the later tiers rank 0 chose
@@ -483,7 +485,7 @@ class Saver:
         if p.prints is not None:  # every rank's fingerprints agreed (rank 0 committed only then)
             self.checked_replicated.add(request.replicated)
         if self.incremental is not None:
-            self.last_step = request.step
+            self.last_step, self.announced_kept = request.step, _announced(outcome.result)
         if self.rank != 0:
             p.info = CheckpointInfo.from_json(outcome.result)  # type: ignore[arg-type]
             if self.node_ranks is not None and self.node_leader:
@@ -532,6 +534,14 @@ class Saver:
             self.group.all_gather_json(None, step=step)
         except BaseException as exc:
             log.warning("step %d: the ranks could not settle after a failed save: %s", step, exc)
+
+
+def _announced(result: Any) -> int:
+    """The steps rank 0's retention kept for references alone, as its commit outcome tells every rank. Every
+    rank bounds its chain on this one figure, so all go full at the same save: a rank that alone went full
+    would leave the other ranks' chains, and with them every step, kept (references.MAX_KEPT_BY_REFERENCES)."""
+    kept = result.get("kept_by_references") if isinstance(result, dict) else None
+    return kept if type(kept) is int and kept >= 0 else 0
 
 
 def _vote_no(group: CoordinationGroup, step: int, exc: BaseException) -> BaseException:

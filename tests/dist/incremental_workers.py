@@ -45,7 +45,27 @@ def chain(rank: int, world: int, rec: dict[str, Any]) -> None:
         rec["restored"] = {str(step): same(ckpt.restore(step), lora(rank, step)) for step in restore}
 
 
-SCENARIOS = {f.__name__: f for f in (chain,)}
+def turns(rank: int, world: int, rec: dict[str, Any]) -> None:
+    """Two tensors of 9 MiB (a shard each, different on every rank) changed in turn at every save, so each
+    save references the other one in the save before and keeping a step keeps the chain; no ``full_every``.
+    Records which saves referenced nothing (full) and, on rank 0, the steps kept at the end."""
+    from tiersave.references import MAX_KEPT_BY_REFERENCES
+
+    x, y = torch.full((9 << 18,), float(rank)), torch.full((9 << 18,), float(-rank))
+    with tiersave.Checkpointer(ROOT, incremental=True, keep_last=2, coordination_timeout_s=TIMEOUT_S) as ckpt:
+        for step in range(1, 3 * MAX_KEPT_BY_REFERENCES):
+            (x if step % 2 else y).add_(1)
+            handle = ckpt.save(step, {"x": x, "y": y})
+            if not handle.stats.extra.get("referenced_bytes", 0):
+                rec.setdefault("full", []).append(step)
+            assert ckpt.wait(60)  # rank 0's retention has run: its figure goes out with the next commit
+        rec["kept"] = [info.step for info in ckpt.list()]
+        last = rec["kept"][-1]
+        out = ckpt.restore(last)
+        rec["restored"] = bool(torch.equal(out["x"], x) and torch.equal(out["y"], y))
+
+
+SCENARIOS = {f.__name__: f for f in (chain, turns)}
 
 
 if __name__ == "__main__":

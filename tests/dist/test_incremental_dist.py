@@ -102,3 +102,22 @@ def test_another_number_of_ranks_saves_in_full_then_references_again(launch, tmp
         assert rec["referenced"]["3"] == 0 and rec["referenced"]["4"] >= 9 * MiB, rec
         assert rec["restored"] == {"3": True, "4": True}, rec
     assert catalog.manifest(2).referenced_steps == {1}  # the 2-rank chain is untouched and still restores
+
+
+def test_a_chain_of_references_ends_on_every_rank_at_the_same_save(launch, tmp_path):
+    """Without ``full_every``, tensors changed in turn chain every save to the one before. Once rank 0's
+    retention keeps more than MAX_KEPT_BY_REFERENCES steps for references alone, every rank's next save is
+    full: a bound on rank 0's chain alone left the other ranks referencing, and every step kept."""
+    from tiersave.references import MAX_KEPT_BY_REFERENCES
+
+    root = tmp_path / "ckpt"
+    job = launch("turns", 2, env=worker_env(root, TIMEOUT), script=SCRIPT, deadline_s=180)
+    recs = [job.rank(r) for r in range(2)]
+    for rec in recs:
+        assert "crash" not in rec and rec["restored"] is True, rec
+    assert recs[0]["full"] == recs[1]["full"], recs  # the same saves, on every rank
+    assert recs[0]["full"][0] == 1 and len(recs[0]["full"]) >= 2, recs  # and one after the first ended the chain
+    kept = Catalog(LocalStorage(root)).steps()
+    assert len(kept) <= 2 + MAX_KEPT_BY_REFERENCES + 1, kept  # bounded: kept, the chain, the full save
+    for step in kept:
+        assert Catalog(LocalStorage(root)).verify(step).ok, step
