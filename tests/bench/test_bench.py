@@ -70,6 +70,32 @@ def test_other_presets_and_tiny_sizes() -> None:
         gpt_like_spec("no-such-model", 10_000_000)
 
 
+def test_aligned_state_holds_the_same_values_each_tensor_on_a_page(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from tiersave.bench.workload import build_state, empty_like_state
+
+    spec = gpt_like_spec("llama3-8b", 2_000_000)
+    plain, aligned = build_state(spec, seed=3), build_state(spec, seed=3, aligned=True)
+    assert any(t.data_ptr() % 4096 for t in plain.values())  # where torch puts them: the case the flag avoids
+    assert all(t.data_ptr() % 4096 == 0 and t.is_contiguous() for t in aligned.values())
+    assert all(torch.equal(plain[k], aligned[k]) and plain[k].shape == aligned[k].shape for k in plain)
+    live = empty_like_state(spec, aligned=True)
+    assert all(t.data_ptr() % 4096 == 0 and not t.any() for t in live.values())
+    code, out, err = run(
+        capsys, "bench", str(tmp_path / "b"), *TINY, "--io", "auto", "--peers", "none", "--aligned-state"
+    )
+    assert code == 0, err
+    assert "every tensor page-aligned (--aligned-state)" in out
+    code, out, err = run(
+        capsys, "bench", str(tmp_path / "c"), *TINY, "--io", "auto", "--peers", "none", "--no-raw", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out)["config"]["aligned_state"] is False
+
+
 def test_config_validation(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="checkpoints"):
         BenchConfig(directory=tmp_path, checkpoints=0)

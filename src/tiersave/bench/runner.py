@@ -320,12 +320,12 @@ def _run(config: BenchConfig, progress: ProgressFn | None, created: bool) -> Ben
         done += 1
 
     tick("building the state")
-    state = build_state(spec, seed=config.seed)
+    state = build_state(spec, seed=config.seed, aligned=config.aligned_state)
     results = {m.name: MethodResult(m.name, m.family) for m in methods}
     raws: list[RawResult] = []
     eviction = "fadvise"
     if durable or config.raw:
-        template = empty_like_state(spec)
+        template = empty_like_state(spec, aligned=config.aligned_state)
         eviction = _phase(config, durable, state, template, results, raws, tick)
         del template
     if stalls:

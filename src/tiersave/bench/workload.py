@@ -12,6 +12,7 @@ MLPerf Storage's checkpointing workload (model and optimizer state of an LLM, fp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -161,20 +162,31 @@ def gpt_like_spec(preset: str = "llama3-8b", target_bytes: int = 3_000_000_000) 
     return StateSpec(arch.name, layers, hidden, ffn, vocab, tuple(weights + moments))
 
 
-def build_state(spec: StateSpec, *, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Allocate the state as contiguous CPU fp32 tensors filled with random (incompressible) values."""
+def _empty(shape: tuple[int, ...], aligned: bool) -> torch.Tensor:
+    """An uninitialized fp32 CPU tensor: where torch's allocator puts it, or at a page boundary."""
+    import torch
+
+    if not aligned:
+        return torch.empty(shape, dtype=torch.float32)
+    nbytes = 4 * math.prod(shape)
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 4096
+    return raw[skip : skip + nbytes].view(torch.float32).view(shape)
+
+
+def build_state(spec: StateSpec, *, seed: int = 0, aligned: bool = False) -> dict[str, torch.Tensor]:
+    """Allocate the state as contiguous CPU fp32 tensors filled with random (incompressible) values (each at
+    a page boundary when ``aligned``)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for t in spec.tensors:
         # uniform_ is ~5x faster than randn and just as incompressible.
-        state[t.name] = torch.empty(t.shape, dtype=torch.float32).uniform_(-1.0, 1.0, generator=gen)
+        state[t.name] = _empty(t.shape, aligned).uniform_(-1.0, 1.0, generator=gen)
     return state
 
 
-def empty_like_state(spec: StateSpec) -> dict[str, torch.Tensor]:
+def empty_like_state(spec: StateSpec, *, aligned: bool = False) -> dict[str, torch.Tensor]:
     """Same shapes, zero-filled (so the memory is touched, as a live training state is)."""
-    import torch
-
-    return {t.name: torch.zeros(t.shape, dtype=torch.float32) for t in spec.tensors}
+    return {t.name: _empty(t.shape, aligned).zero_() for t in spec.tensors}

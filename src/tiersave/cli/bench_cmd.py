@@ -107,6 +107,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-drop-caches", action="store_true", help="evict with fadvise only, never drop_caches")
     p.add_argument("--recalibrate", action="store_true", help="measure the auto policy's calibration again")
     p.add_argument("--seed", type=int, default=0, help="seed of the state's values (default 0)")
+    p.add_argument(
+        "--aligned-state",
+        action="store_true",
+        help="allocate every tensor at a page boundary, as a device whose direct I/O takes torch's memory sees it",
+    )
     p.add_argument("--keep", action="store_true", help="leave the last checkpoints on disk")
     p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart")
     p.add_argument("--output", metavar="FILE", help="also write the JSON document to FILE")
@@ -160,6 +165,7 @@ def _bench(args: argparse.Namespace, out: Output) -> int:
         ranks=args.ranks,
         replicated=args.replicated,
         seed=args.seed,
+        aligned_state=args.aligned_state,
         keep=args.keep,
     )
     result = run_bench(config, progress=_ProgressBar(sys.stderr, not args.quiet))
@@ -193,7 +199,8 @@ def render_text(data: dict[str, Any]) -> str:
     lines = [
         f"tiersave bench: {st['preset']} scaled to {st['params'] / 1e6:.1f}M params + Adam moments, "
         f"{st['tensors']} fp32 tensors, {st['bytes'] / 1e9:.2f} GB; {cfg['checkpoints']} timed checkpoint(s) "
-        f"per method after {cfg.get('warmup', 0)} warm-up round(s)",
+        f"per method after {cfg.get('warmup', 0)} warm-up round(s)"
+        + ("; every tensor page-aligned (--aligned-state)" if cfg.get("aligned_state") else ""),
         f"directory {cfg['directory']} ({mach['filesystem']} on device {mach['device']}), {mach['cpus']} CPUs, "
         f"kernel {mach['kernel']}, load average {mach.get('loadavg_start')} -> {mach.get('loadavg_end')}; "
         f"cache eviction: {data['eviction']}",
