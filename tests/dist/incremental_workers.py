@@ -48,7 +48,7 @@ def chain(rank: int, world: int, rec: dict[str, Any]) -> None:
 def turns(rank: int, world: int, rec: dict[str, Any]) -> None:
     """Two tensors of 9 MiB (a shard each, different on every rank) changed in turn at every save, so each
     save references the other one in the save before and keeping a step keeps the chain; no ``full_every``.
-    Records which saves referenced nothing (full) and, on rank 0, the steps kept at the end."""
+    Records which saves referenced nothing (full), the steps listed after each save, and those at the end."""
     from tiersave.references import MAX_KEPT_BY_REFERENCES
 
     x, y = torch.full((9 << 18,), float(rank)), torch.full((9 << 18,), float(-rank))
@@ -58,7 +58,7 @@ def turns(rank: int, world: int, rec: dict[str, Any]) -> None:
             handle = ckpt.save(step, {"x": x, "y": y})
             if not handle.stats.extra.get("referenced_bytes", 0):
                 rec.setdefault("full", []).append(step)
-            assert ckpt.wait(60)  # rank 0's retention has run: its figure goes out with the next commit
+            rec.setdefault("listed", []).append(len(ckpt.list()))  # blocking: after rank 0's retention of it
         rec["kept"] = [info.step for info in ckpt.list()]
         last = rec["kept"][-1]
         out = ckpt.restore(last)

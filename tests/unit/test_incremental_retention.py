@@ -197,3 +197,15 @@ def test_a_chain_of_references_ends_in_a_full_save_without_full_every(tmp_path, 
         assert full, steps  # a full save after the first ended the chain (and the older steps went)
         restored = ckpt.restore(steps[-1])
         assert torch.equal(restored["x"], x) and torch.equal(restored["y"], y)
+
+
+@pytest.mark.parametrize(
+    ("result", "want"),
+    [({"kept_by_references": 9}, 9), ({"kept_by_references": 0}, 0), ({}, 0), (None, 0), ([9], 0)]
+    + [({"kept_by_references": bad}, 0) for bad in (None, True, -1, 9.0, "9", [9])],
+)
+def test_the_figure_rank_0_announces_is_read_defensively(result, want):
+    """A commit outcome from rank 0 without the figure (an older rank 0) or with a bad one bounds nothing."""
+    from tiersave.saving import _announced
+
+    assert _announced(result) == want
