@@ -96,6 +96,22 @@ def test_aligned_state_holds_the_same_values_each_tensor_on_a_page(
     assert json.loads(out)["config"]["aligned_state"] is False
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_round_order_puts_each_contender_after_each_neighbour_equally_often(n: int) -> None:
+    from collections import Counter
+    from itertools import pairwise
+
+    from tiersave.bench.runner import round_order
+
+    items = list(range(n))
+    orders = [round_order(items, rnd) for rnd in range(2 * n)]
+    assert all(sorted(o) == items for o in orders)  # every round runs every contender once
+    assert [o[0] for o in orders[:n]] == items  # and each one goes first once per cycle
+    after = Counter(pair for o in orders for pair in pairwise(o))
+    assert all(after[a, b] == after[b, a] for a, b in after), after  # a plain rotation: b after a, never a after b
+    assert round_order([], 3) == []
+
+
 def test_config_validation(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="checkpoints"):
         BenchConfig(directory=tmp_path, checkpoints=0)

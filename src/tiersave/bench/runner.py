@@ -5,8 +5,10 @@ Procedure (in the spirit of the MLPerf Storage checkpointing workload):
 1. Build the GPT-like state (:mod:`tiersave.bench.workload`) and a zero-filled twin to load into.
 2. Calibrate the auto I/O policy for the directory's file system (outside every timed region).
 3. ``warmup`` untimed rounds, then ``checkpoints`` timed rounds, each in an order rotated every round
-   so that slow drifts of a shared machine spread evenly: the raw device run, then every method's save
-   (until durable) followed by its cold loads; the page cache is evicted before every timed operation;
+   (and reversed every other cycle of rotations, :func:`round_order`) so that slow drifts of a shared
+   machine and what one contender leaves the next (a delete's discards, writeback) spread evenly: the raw
+   device run, then every method's save (until durable) followed by its cold loads; the page cache is
+   evicted before every timed operation;
    each method's files are removed after its loads, so the disk holds one checkpoint at a time. The
    warm-up exists because a job's first save allocates staging memory that later saves reuse, and on a
    virtual machine that hands freed memory back to its host (virtio-balloon free page reporting), new
@@ -213,6 +215,18 @@ _STALL_PEERS = ("dcp-async", "memcpy", "dlrover-shm")
 """The peers timed in the second phase, with ``tiersave-async``: the stalls of saves that return early."""
 
 
+def round_order(items: list[Any], rnd: int) -> list[Any]:
+    """The order of round ``rnd``: ``items`` rotated by ``rnd``, reversed in every other cycle of ``len(items)``
+    rounds, so that over two cycles each item runs right after each of its neighbours equally often (a plain
+    rotation puts the same item after the same one every time)."""
+    n = len(items)
+    if n == 0:
+        return []
+    k = rnd % n
+    order = items[k:] + items[:k]
+    return order[::-1] if (rnd // n) % 2 else order
+
+
 def _phase(
     config: BenchConfig,
     methods: list[Any],
@@ -236,8 +250,7 @@ def _phase(
         for rnd in range(rounds):
             timed = rnd >= config.warmup
             what = f"round {rnd - config.warmup + 1}" if timed else f"warm-up {rnd + 1}"
-            k = rnd % len(order)
-            for item in order[k:] + order[:k]:
+            for item in round_order(order, rnd):
                 if item is None:
                     tick(f"{what}: raw device write and read")
                     measured = measure_raw(directory, _nbytes(state), drop_caches=config.drop_caches)
