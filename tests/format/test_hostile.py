@@ -201,6 +201,7 @@ def test_newer_minor_version_fields_are_ignored_older_are_not(saved):
         (b'{"a": 1, "a": 2}', "duplicate key 'a'"),
         (b'{"a": NaN}', "NaN is not allowed"),
         (b'{"a": Infinity}', "Infinity is not allowed"),
+        (b'{"a": -1.5e999}', "number -1.5e999 is out of range"),
         (b"\xff\xfe{}", "is not valid UTF-8"),
         (b'{"a": [', "is not valid JSON"),
         (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
@@ -209,11 +210,34 @@ def test_newer_minor_version_fields_are_ignored_older_are_not(saved):
         (pickle.dumps({"a": 1}), "is not valid"),
         (b"[]", "manifest must be a JSON object"),
     ],
-    ids=["dup", "nan", "inf", "utf8", "truncated", "deep-array", "deep-object", "huge-int", "pickle", "array"],
+    ids=[
+        "dup",
+        "nan",
+        "inf",
+        "overflow",
+        "utf8",
+        "truncated",
+        "deep-array",
+        "deep-object",
+        "huge-int",
+        "pickle",
+        "array",
+    ],
 )
 def test_malformed_json(saved, raw, fragment):
     manifest_path(saved).write_bytes(raw)
     assert fragment in restore_error(saved)
+
+
+def test_a_damaged_exponent_is_a_format_error_not_a_crash(root):
+    """One flipped byte turns a metric of 1.5e+300 into 1.5e+900, which Python's JSON reads as infinite; the
+    seal check then could not serialize the document again (a ValueError escaped, found by the long fuzz run)."""
+    with tiersave.Checkpointer(root) as ckpt:
+        ckpt.save(1, {"n": 7}, metrics={"loss": 1.5e300})
+    raw = manifest_path(root).read_bytes()
+    assert raw.count(b"1.5e+300") == 1
+    manifest_path(root).write_bytes(raw.replace(b"1.5e+300", b"1.5e+900"))
+    assert "number 1.5e+900 is out of range" in restore_error(root)
 
 
 def test_huge_manifest_is_refused_before_reading(saved):

@@ -32,11 +32,19 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 reads as inf: what we could never write, nor hash to check a seal
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
 def loads_strict(data: bytes, *, what: str, max_bytes: int, defer_depth: tuple[str, ...] = ()) -> Any:
     """Parse ``data`` as strict JSON or raise :class:`FormatError` naming ``what``.
 
-    Rejects: more than ``max_bytes``, invalid UTF-8, NaN/Infinity, duplicate keys, nesting deeper than
-    :data:`MAX_DEPTH`, and integers too long to convert. ``defer_depth``: top-level keys whose values' depth
+    Rejects: more than ``max_bytes``, invalid UTF-8, NaN/Infinity and numbers beyond a float's range (which
+    would read as infinite), duplicate keys, nesting deeper than :data:`MAX_DEPTH`, and integers too long to
+    convert. ``defer_depth``: top-level keys whose values' depth
     the caller checks before walking it in Python (see :func:`check_depth`).
     """
     if len(data) > max_bytes:
@@ -46,10 +54,12 @@ def loads_strict(data: bytes, *, what: str, max_bytes: int, defer_depth: tuple[s
     except UnicodeDecodeError as exc:
         raise FormatError(f"{what} is not valid UTF-8: {exc}", path=what) from None
     try:
-        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+        value = json.loads(
+            text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants, parse_float=_finite_float
+        )
     except RecursionError:
         raise FormatError(f"{what} is nested too deeply", path=what) from None
-    except ValueError as exc:  # JSONDecodeError, duplicate keys, constants, huge integers
+    except ValueError as exc:  # JSONDecodeError, duplicate keys, constants, huge numbers
         raise FormatError(f"{what} is not valid JSON: {exc}", path=what) from None
     check_depth(value, what=what, skip=defer_depth)
     return value
