@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import warnings
 from pathlib import Path
@@ -49,6 +50,15 @@ class EventLog:
             log.warning("could not append to the event log %s: %s", self.path, exc)
 
 
+def _finite(text: str) -> float:
+    """A number of an event record (NaN, Infinity or 1e999 included, which no writer here puts there), or
+    ValueError for one that is not finite: such a record could not be printed again as strict JSON."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is not finite")
+    return value
+
+
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Records of the log (and its rotated predecessor), oldest first; malformed lines are skipped."""
     base = Path(path)
@@ -60,8 +70,8 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             continue
         for line in text.splitlines():
             try:
-                value = json.loads(line)
-            except ValueError:
+                value = json.loads(line, parse_constant=_finite, parse_float=_finite)
+            except ValueError:  # a torn or damaged line; NaN or 1e999 too, which no writer here puts there
                 continue
             if isinstance(value, dict):
                 records.append(value)

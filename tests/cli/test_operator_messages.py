@@ -131,3 +131,21 @@ def test_verify_copy_and_export_show_byte_progress_on_a_terminal_only(sizable, t
         if argv[0] == "copy":
             (tmp_path / "copy" / "step-0000000001").rename(tmp_path / "copy" / "step-0000000001.trash-x")
         assert "step 1 [" not in _cli_stderr(argv, tty=False)  # piped: no bar
+
+
+def test_stats_skips_event_lines_no_writer_could_have_written(root, capsys):
+    """A damaged line that reads as NaN or an infinite number is skipped like a torn one: kept, it made
+    ``stats --json`` fail to print (strict JSON out)."""
+    from tiersave.events import EVENTS_NAME, read_events
+
+    with tiersave.Checkpointer(root) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4)})
+    log = root / EVENTS_NAME
+    good = len(read_events(log))
+    with log.open("a", encoding="utf-8") as f:
+        f.write('{"step": 2, "outcome": "committed", "total_s": NaN}\n')
+        f.write('{"step": 3, "outcome": "committed", "total_s": 1e999}\n')
+        f.write('{"step": 4, "outcome": "comm')  # torn
+    assert len(read_events(log)) == good
+    assert main(["stats", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)
