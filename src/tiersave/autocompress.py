@@ -55,6 +55,11 @@ class CodecCalibration:
         self.ratio = ratio
 
 
+def _positive(value: Any) -> bool:
+    """A cached rate or ratio that can be used: a finite float above 0 (a damaged cache may read as NaN or inf)."""
+    return isinstance(value, float) and 0 < value < float("inf")
+
+
 def _cache_path() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "tiersave" / "codec-calibration.json"
@@ -94,7 +99,7 @@ def codec_calibration(*, refresh: bool = False) -> CodecCalibration:
         path, key = _cache_path(), _cache_key()
         try:
             entry = json.loads(path.read_text(encoding="utf-8")).get(key) if not refresh else None
-            if isinstance(entry, dict) and all(isinstance(entry.get(k), float) for k in ("bytes_per_s", "ratio")):
+            if isinstance(entry, dict) and all(_positive(entry.get(k)) for k in ("bytes_per_s", "ratio")):
                 _calibration = CodecCalibration(entry["bytes_per_s"], entry["ratio"])
                 return _calibration
         except (OSError, ValueError, AttributeError):

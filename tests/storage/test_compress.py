@@ -257,6 +257,11 @@ def test_codec_calibration_is_cached(tmp_path, monkeypatch):
     cache.write_text(json.dumps(doc))
     monkeypatch.setattr(autocompress, "_calibration", None)
     assert autocompress.codec_calibration().bytes_per_s == 123.0
+    for damaged in ("NaN", "1e999", "-5.0", "0.0"):  # measured again, never used
+        cache.write_text(json.dumps(doc).replace("123.0", damaged))
+        monkeypatch.setattr(autocompress, "_calibration", None)
+        again = autocompress.codec_calibration().bytes_per_s
+        assert again != 123.0 and 0 < again < float("inf"), damaged
     monkeypatch.setattr(autocompress, "_calibration", None)
 
 
