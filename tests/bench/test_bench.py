@@ -112,6 +112,19 @@ def test_round_order_puts_each_contender_after_each_neighbour_equally_often(n: i
     assert round_order([], 3) == []
 
 
+@pytest.mark.parametrize("replicated", [False, True])
+def test_each_rank_builds_its_state_page_aligned_with_aligned_state(replicated: bool) -> None:
+    from tiersave.bench.ranks import rank_state
+
+    opts = {"model": "llama3-8b", "size_bytes": 2_000_000, "seed": 0, "replicated": replicated}
+    for aligned in (False, True):
+        states = [rank_state({**opts, "aligned_state": aligned}, rank, 2) for rank in range(2)]
+        tensors = [t for state, _ in states for t in state["model"].values()]
+        assert all(t.data_ptr() % 4096 == 0 for t in tensors) is aligned
+        owned = [t for _, own in states for t in own]
+        assert len(owned) == len(gpt_like_spec("llama3-8b", 2_000_000).tensors)  # each tensor written by one rank
+
+
 def test_config_validation(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="checkpoints"):
         BenchConfig(directory=tmp_path, checkpoints=0)
@@ -201,7 +214,7 @@ def test_text_report_and_progress(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_several_ranks_save_one_checkpoint_next_to_dcp(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], replicated: bool
 ) -> None:
-    flags = ["--replicated"] if replicated else []
+    flags = ["--replicated", "--aligned-state"] if replicated else []  # the ranks build aligned states too
     code, out, err = run(
         capsys,
         "bench",
@@ -221,6 +234,7 @@ def test_several_ranks_save_one_checkpoint_next_to_dcp(
     data = json.loads(out)
     ranks = data["ranks"]
     assert ranks["ranks"] == 2 and ranks["replicated"] is replicated
+    assert data["config"]["aligned_state"] is replicated
     rnd = ranks["rounds"][0]
     methods = rnd["methods"]
     assert set(methods) == {

@@ -43,8 +43,8 @@ class BenchConfig:
         replicated: in the multi-rank phase, every rank holds the whole state, declared replicated (DDP)
             instead of a 1/N share of it.
         seed: seed of the state's random values.
-        aligned_state: allocate every tensor of the state (and of the live state restored into) at a page
-            boundary instead of where torch's allocator puts it (64 bytes past one): what a device whose
+        aligned_state: allocate every tensor of the state (and of the live state restored into; in every rank
+            too) at a page boundary instead of where torch's allocator puts it (64 bytes past one): what a device whose
             direct I/O takes memory as torch lays it out (NVMe: 4-byte alignment) sees, on a device that
             demands more (this project's virtual disk: 512), so that writes and reads move the tensors in place.
         keep: leave the last checkpoints on disk.

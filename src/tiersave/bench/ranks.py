@@ -64,28 +64,35 @@ def _rank_main(
         barrier.abort()
 
 
+def rank_state(opts: dict[str, Any], rank: int, world: int) -> tuple[dict[str, Any], list[Any]]:
+    """A rank's state (``{"model": tensors}``) and the tensors it writes itself: the whole state, identical on
+    every rank, with ``opts["replicated"]``, else only its share of the tensors (every ``world``-th)."""
+    from ..replicated import assign, select
+    from ..state import flatten
+    from .workload import build_state, gpt_like_spec
+
+    spec = gpt_like_spec(opts["model"], opts["size_bytes"])
+    aligned = bool(opts.get("aligned_state"))
+    if opts["replicated"]:  # every rank holds all of it, identically
+        state: dict[str, Any] = {"model": build_state(spec, seed=opts["seed"], aligned=aligned)}
+        owner = assign(select(state, flatten(state), ["model"]).tensors, world)
+        return state, [t for name, t in state["model"].items() if owner[f"model.{name}"] == rank]
+    share = replace(spec, tensors=tuple(t for i, t in enumerate(spec.tensors) if i % world == rank))
+    state = {"model": build_state(share, seed=opts["seed"] + rank, aligned=aligned)}  # only the share is allocated
+    return state, list(state["model"].values())
+
+
 def _run_rank(rank: int, world: int, opts: dict[str, Any], calibration: Any, barrier: Any, queue: Any) -> None:
     import torch
     from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
     from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
     from ..checkpointer import Checkpointer
-    from ..replicated import assign, select
-    from ..state import flatten
     from ..storage.posix import LocalStorage
     from .device import evict
-    from .workload import build_state, gpt_like_spec
 
     directory = Path(opts["directory"])
-    spec = gpt_like_spec(opts["model"], opts["size_bytes"])
-    if opts["replicated"]:  # every rank holds all of it, identically
-        state: dict[str, Any] = {"model": build_state(spec, seed=opts["seed"])}
-        owner = assign(select(state, flatten(state), ["model"]).tensors, world)
-        own = [t for name, t in state["model"].items() if owner[f"model.{name}"] == rank]
-    else:  # only the rank's share is ever allocated
-        share = replace(spec, tensors=tuple(t for i, t in enumerate(spec.tensors) if i % world == rank))
-        state = {"model": build_state(share, seed=opts["seed"] + rank)}
-        own = list(state["model"].values())
+    state, own = rank_state(opts, rank, world)
     keys = ["model"] if opts["replicated"] else []
     state_bytes = sum(t.nbytes for t in state["model"].values())
     own_bytes = sum(t.nbytes for t in own)
@@ -206,6 +213,7 @@ def run_ranks(config: BenchConfig, calibration: Any) -> dict[str, Any]:
         "model": config.model,
         "size_bytes": config.size_bytes,
         "seed": config.seed,
+        "aligned_state": config.aligned_state,
         "replicated": config.replicated,
         "io_threads": config.io_threads,
         "drop_caches": config.drop_caches,
