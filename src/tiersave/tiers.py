@@ -417,10 +417,10 @@ class TierChain:
 
     def _wait_behind(self, tier: TierRuntime, step: int) -> None:
         """Under ``self._lock``: ``step`` becomes the save to catch up on, superseding any other."""
-        if tier.behind is not None:
-            self.protection.release(0, tier.behind)
-        tier.behind = step
-        self.protection.hold(0, step)  # the catch-up's source must outlive it
+        older, tier.behind = tier.behind, step
+        self.protection.hold(0, step)  # the catch-up's source must outlive it: held before the older one is let go
+        if older is not None:
+            self.protection.release(0, older)
 
     def _log_deferred(self, tier: TierRuntime, step: int, reason: str) -> None:
         self.log({"step": step, "tier": tier.name, "outcome": "drain_deferred", "time": time.time(), "reason": reason})
