@@ -1,0 +1,29 @@
+"""benchmarks/save_vs_raw.py: a tiny run alternates the raw direct write and each thread count of tiersave's save,
+prints the medians docs/benchmarks.md quotes, and leaves no checkpoint behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import run_benchmark
+
+
+def test_tiny_run_times_every_method_each_round(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    d = tmp_path / "d"
+    done = run_benchmark(
+        "save_vs_raw.py", "--dir", str(d), "--gb", "0.02", "--rounds", "2", "--threads", "1,2", "--pause", "0",
+        "--json", str(out),
+    )  # fmt: skip
+    if done.returncode != 0 and "refuses O_DIRECT" in done.stderr:
+        pytest.skip("the test directory's file system refuses O_DIRECT")
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data["gbps"]) == {"raw", "tiersave x1", "tiersave x2"}
+    assert all(len(v) == 2 and min(v) > 0 for v in data["gbps"].values())
+    assert data["summary"]["raw"]["median_vs_raw"] == pytest.approx(1.0)
+    assert "tiersave x2    median" in done.stdout and "/raw" in done.stdout
+    assert sorted(p.name for p in d.iterdir()) == []  # the raw file and both checkpoints' roots are gone
