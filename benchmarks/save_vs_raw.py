@@ -40,8 +40,9 @@ RAW_BLOCK = 16 << 20
 def raw_write(path: Path, nbytes: int, block: memoryview) -> float:
     """Seconds of the bench's raw write: one stream of direct writes of ``block`` into a new file, + fsync."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    dfd = open_direct(path, os.O_WRONLY)
+    dfd: int | None = None
     try:
+        dfd = open_direct(path, os.O_WRONLY)
         if dfd is None:
             raise SystemExit(f"{path.parent} refuses O_DIRECT: there is no raw direct write to compare with")
         size = nbytes + (-nbytes) % 4096  # direct writes end on a block, as the bench's raw write does
@@ -72,19 +73,23 @@ def main() -> None:
     area = mmap.mmap(-1, RAW_BLOCK)
     area[:] = os.urandom(1 << 20) * (RAW_BLOCK >> 20)
     block = memoryview(area)
-    ckpts = {n: Checkpointer(LocalStorage(args.dir / f"t{n}", io="direct"), io_threads=n, keep_last=1) for n in threads}
+    (args.dir / "raw.bin").unlink(missing_ok=True)  # left by a run killed mid-write
+    ckpts: dict[int, Checkpointer] = {}
     steps = dict.fromkeys(threads, 0)
 
     def save(n: int) -> float:
         steps[n] += 1
         start = time.perf_counter()
         ckpts[n].save(steps[n], state)
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        ckpts[n].wait()  # the previous step's deletion (keep_last=1) ends here, not in the next measurement
+        return seconds
 
     methods: list[tuple[str, Callable[[], float]]] = [("raw", lambda: raw_write(args.dir / "raw.bin", nbytes, block))]
     methods += [(f"tiersave x{n}", lambda n=n: save(n)) for n in threads]
     try:
         for n in threads:  # the staging arena is allocated by the first save, as in a training job
+            ckpts[n] = Checkpointer(LocalStorage(args.dir / f"t{n}", io="direct"), io_threads=n, keep_last=1)
             save(n)
         gbps: dict[str, list[float]] = {name: [] for name, _ in methods}
         for rnd in range(args.rounds):

@@ -11,7 +11,6 @@ The raw figures are the best of a few simple configurations (one stream, several
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import time
 from collections.abc import Iterable
@@ -74,17 +73,11 @@ def evict(paths: Iterable[Path], *, drop_caches: bool = True) -> str:
 
 @dataclass
 class RawResult:
-    """Raw sequential throughput of ``nbytes`` in GB/s, per configuration (``"direct x4"``...).
-
-    ``read`` lands in one small buffer per stream, used again for every block, so it times the device alone;
-    ``read_new`` lands in memory mapped fresh for the read, as a restore into new tensors must: it also pays
-    for the first touch of every page (which a virtual machine may have handed back to its host).
-    """
+    """Raw sequential throughput of ``nbytes`` in GB/s, per configuration (``"direct x4"``...)."""
 
     nbytes: int
     write: dict[str, float] = field(default_factory=dict)
     read: dict[str, float] = field(default_factory=dict)
-    read_new: dict[str, float] = field(default_factory=dict)
     direct_refused: bool = False
 
     @property
@@ -113,9 +106,8 @@ def measure_raw(
     """Write ``nbytes`` with large direct writes (+ ``fsync``) and read them back cold, direct and buffered.
 
     Writes use ``O_DIRECT`` from one page-aligned block of random bytes; each configuration in ``streams``
-    writes the file anew. Reads evict the file first; the last one reads it direct with the most streams into
-    memory mapped for it (``read_new``). Where ``O_DIRECT`` is refused, the raw write is buffered + ``fsync``
-    and ``direct_refused`` is set.
+    writes the file anew. Reads evict the file first. Where ``O_DIRECT`` is refused, the raw write is
+    buffered + ``fsync`` and ``direct_refused`` is set.
     """
     size = max(block_bytes, nbytes + (-nbytes) % 4096)
     src = aligned_buffer(block_bytes)
@@ -129,14 +121,15 @@ def measure_raw(
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            dfd = open_direct(path, os.O_WRONLY)
-            wfd = dfd if dfd is not None else fd
-            result.direct_refused = dfd is None
-
-            def write(off: int, k: int, f: int = wfd) -> int:
-                return os.pwrite(f, src[:k], off)
-
+            dfd: int | None = None
             try:
+                dfd = open_direct(path, os.O_WRONLY)
+                wfd = dfd if dfd is not None else fd
+                result.direct_refused = dfd is None
+
+                def write(off: int, k: int, f: int = wfd) -> int:
+                    return os.pwrite(f, src[:k], off)
+
                 t = run_blocks(n, size, block_bytes, write)
                 t0 = time.perf_counter()
                 os.fsync(wfd)
@@ -162,27 +155,7 @@ def measure_raw(
             finally:
                 os.close(fd2)
             result.read[f"{'direct' if direct else 'buffered'} x{n}"] = size / t / 1e9
-        n = max(streams)
-        evict([path], drop_caches=drop_caches)
-        fd3 = open_direct(path, os.O_RDONLY)
-        if fd3 is not None:
-            try:
-                result.read_new[f"direct x{n}"] = size / _read_into_new_memory(fd3, size, n, block_bytes) / 1e9
-            finally:
-                os.close(fd3)
     finally:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
     return result
-
-
-def _read_into_new_memory(fd: int, size: int, streams: int, block_bytes: int) -> float:
-    """Seconds to read ``size`` bytes of ``fd`` with ``streams`` streams into an anonymous mapping made for
-    the read (page-aligned, so every read is direct and in place), unmapped after."""
-    area = mmap.mmap(-1, size)
-    view = memoryview(area)
-    try:
-        return run_blocks(streams, size, block_bytes, lambda off, k: os.preadv(fd, [view[off : off + k]], off))
-    finally:
-        view.release()
-        area.close()

@@ -7,9 +7,7 @@ report is the CLI's (``tiersave.cli.bench_cmd``).
 Throughput is the state's tensor bytes over the *median* seconds of the rounds (every method moves the same
 bytes, so ratios of throughput are inverse ratios of time), with the range over the rounds beside it (slowest
 and fastest round). The raw device figure of a round is the best of its configurations, one stream and
-several (see :mod:`tiersave.bench.device`); the report names the one that won. Beside it, the raw read into
-memory mapped for it, which is what a restore into new tensors does: the ratio against it is reported, not a
-target.
+several (see :mod:`tiersave.bench.device`); the report names the one that won.
 """
 
 from __future__ import annotations
@@ -83,11 +81,6 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             # the configuration that was best in each round (the figure above takes each round's best)
             "write_config": _distinct([max(r["write_gbps"], key=r["write_gbps"].get) for r in raws]),
             "read_config": _distinct([max(r["read_gbps"], key=r["read_gbps"].get) for r in raws]),
-            # a direct read into memory mapped for it, as new tensors are (absent from runs before it was measured)
-            "read_new_gbps": _rate_from_rates(
-                nbytes, [max(r.get("read_new_gbps", {}).values(), default=0.0) for r in raws]
-            ),
-            "read_new_config": _distinct([k for r in raws for k in r.get("read_new_gbps", {})]),
             "configs": {
                 "write": {
                     k: _rate_from_rates(nbytes, [r["write_gbps"].get(k, 0.0) for r in raws])
@@ -134,7 +127,6 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         "save_vs_dcp_async": ratio(save("tiersave-async" if "tiersave-async" in methods else main), save("dcp-async")),
         "restore_into_vs_raw_read": ratio(load(main, "into"), raw.get("read_gbps")),
         "restore_new_vs_raw_read": ratio(load(main, "new"), raw.get("read_gbps")),
-        "restore_new_vs_raw_read_new": ratio(load(main, "new"), raw.get("read_new_gbps")),
         "restore_new_vs_torch": ratio(load(main, "new"), load("torch", "new")),
         "restore_new_vs_safetensors": ratio(load(main, "new"), load("safetensors", "new")),
         "restore_into_vs_dcp": ratio(load(main, "into"), load("dcp", "into")),

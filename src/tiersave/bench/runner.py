@@ -100,13 +100,7 @@ class BenchResult:
             "calibration": self.calibration,
             "eviction": self.eviction,
             "raw": [
-                {
-                    "bytes": r.nbytes,
-                    "write_gbps": r.write,
-                    "read_gbps": r.read,
-                    "read_new_gbps": r.read_new,
-                    "direct_refused": r.direct_refused,
-                }
+                {"bytes": r.nbytes, "write_gbps": r.write, "read_gbps": r.read, "direct_refused": r.direct_refused}
                 for r in self.raw
             ],
             "methods": {name: m.to_json() for name, m in self.methods.items()},

@@ -213,11 +213,6 @@ def render_text(data: dict[str, Any]) -> str:
             f"({raw['read_config']}); each configuration: "
             + ", ".join(f"{op} {k} {_fmt(v)}" for op in ("write", "read") for k, v in raw["configs"][op].items())
         )
-        if raw.get("read_new_gbps"):
-            lines.append(
-                f"raw read into memory mapped for it (as new tensors are: every page touched first), "
-                f"{raw['read_new_config']}: {_fmt(raw['read_new_gbps'])} GB/s"
-            )
     cal = data.get("calibration")
     if cal:
         lines.append(

@@ -1,0 +1,185 @@
+"""A restore as a resumed job does it, in a process that has just started, against raw reads that land in
+memory the same way: what the first touch of new memory costs, next to what the device gives.
+
+`tiersave bench` restores over and over in one process, so the allocator hands each round memory an earlier
+round freed, already faulted in; a job that resumes restores once, into memory it has never touched, and
+every page of the state is faulted in on the way. Here every measurement runs in a new process (the bench's
+GPT-like state, saved once with ``io="direct"``; the page cache dropped where the process may, else evicted
+with ``fadvise``), the order reversed every round:
+
+- ``raw, one buffer``: the bench's raw read, one stream of 16 MiB ``O_DIRECT`` reads into one buffer used
+  again for every block: the device alone;
+- ``raw, new memory xN``: the same file read direct with N streams into a private anonymous mapping made for
+  the read, so that every page is faulted in (by the kernel, as it pins the pages for the read);
+- ``restore new``: ``Checkpointer.restore(step)``, the first restore of the process, into new tensors;
+- ``restore into``: ``restore(step, into=state)`` into a live state allocated and written (so faulted in)
+  before the timed call, as a model and optimizer are when a job resumes into them.
+
+Prints per round the throughputs, then per method the median and range and the minor page faults of the timed
+call (``getrusage``), as GB of 4 KiB pages.
+
+Usage::
+
+    .venv/bin/python benchmarks/restore_fresh.py --dir DIR --gb 3 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BLOCK = 16 << 20
+METHODS = ("raw, one buffer", "raw, new memory x1", "raw, new memory x4", "restore new", "restore into")
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _raw(path: Path, streams: int, new_memory: bool) -> tuple[float, int]:
+    from tiersave.storage.posix.calibration import ThreadBuffers, run_blocks
+    from tiersave.storage.posix.directio import open_direct
+
+    size = path.stat().st_size
+    fd = open_direct(path, os.O_RDONLY)
+    if fd is None:
+        raise SystemExit(f"{path.parent} refuses O_DIRECT: there is no raw direct read to compare with")
+    try:
+        if new_memory:
+            area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            view = memoryview(area)
+            f0 = _faults()
+            seconds = run_blocks(streams, size, BLOCK, lambda off, k: os.preadv(fd, [view[off : off + k]], off))
+            faults = _faults() - f0
+            view.release()
+            area.close()
+            return seconds, faults
+        bufs = ThreadBuffers(BLOCK)
+        bufs.get(BLOCK)  # this thread's buffer, faulted in before the clock starts
+        f0 = _faults()
+        seconds = run_blocks(1, size, BLOCK, lambda off, k: os.preadv(fd, [bufs.get(k)], off))
+        return seconds, _faults() - f0
+    finally:
+        os.close(fd)
+
+
+def _restore(root: Path, gb: float, into: bool) -> tuple[float, int]:
+    from tiersave.bench.workload import empty_like_state, gpt_like_spec
+    from tiersave.checkpointer import Checkpointer
+    from tiersave.storage.posix import LocalStorage
+
+    ck = Checkpointer(LocalStorage(root, io="direct"))
+    try:
+        state = None
+        if into:
+            state = empty_like_state(gpt_like_spec("llama3-8b", int(gb * 1e9)))
+            for t in state.values():
+                t.zero_()  # written, as a live model's memory is
+        f0 = _faults()
+        start = time.perf_counter()
+        ck.restore(1, into=state)
+        return time.perf_counter() - start, _faults() - f0
+    finally:
+        ck.close()
+
+
+def child(args: argparse.Namespace) -> None:
+    from tiersave.bench.device import evict
+
+    raw = args.dir / "raw.bin"
+    evict([args.dir])
+    method = args.child
+    if method.startswith("raw"):
+        new_memory = "new memory" in method
+        seconds, faults = _raw(raw, int(method[-1]) if new_memory else 1, new_memory)
+    else:
+        seconds, faults = _restore(args.dir / "ck", args.gb, into=method == "restore into")
+    print(json.dumps({"seconds": seconds, "faults": faults}))
+
+
+def prepare(args: argparse.Namespace) -> int:
+    """Save the state once and write the raw file of the same size; returns the state's bytes."""
+    from tiersave.bench.workload import build_state, gpt_like_spec
+    from tiersave.checkpointer import Checkpointer
+    from tiersave.storage.posix import LocalStorage
+    from tiersave.storage.posix.directio import open_direct
+
+    state = build_state(gpt_like_spec("llama3-8b", int(args.gb * 1e9)), seed=0)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    with Checkpointer(LocalStorage(args.dir / "ck", io="direct")) as ck:
+        ck.save(1, state)
+    del state
+    size = nbytes + (-nbytes) % 4096
+    block = mmap.mmap(-1, BLOCK)
+    block[:] = os.urandom(1 << 20) * (BLOCK >> 20)
+    path = args.dir / "raw.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    dfd: int | None = None
+    try:
+        dfd = open_direct(path, os.O_WRONLY)
+        if dfd is None:
+            raise SystemExit(f"{args.dir} refuses O_DIRECT: there is no raw direct read to compare with")
+        for off in range(0, size, BLOCK):
+            os.pwrite(dfd, memoryview(block)[: min(BLOCK, size - off)], off)
+        os.fsync(dfd)
+    finally:
+        if dfd is not None:
+            os.close(dfd)
+        os.close(fd)
+    return nbytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", required=True, type=Path, help="where to write (on the file system to measure)")
+    ap.add_argument("--gb", type=float, default=3.0, help="state size in GB (default 3)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.dir.exists() and any(args.dir.iterdir()):
+        raise SystemExit(f"{args.dir} is not empty: give a new directory (it is removed at the end)")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    try:
+        nbytes = prepare(args)
+        gbps: dict[str, list[float]] = {m: [] for m in METHODS}
+        faults: dict[str, list[int]] = {m: [] for m in METHODS}
+        cmd = [sys.executable, __file__, "--dir", str(args.dir), "--gb", str(args.gb), "--child"]
+        for rnd in range(args.rounds):
+            for method in METHODS if rnd % 2 == 0 else METHODS[::-1]:
+                done = subprocess.run([*cmd, method], capture_output=True, text=True, timeout=600, check=False)
+                if done.returncode != 0:
+                    raise SystemExit(f"{method}: {done.stderr[-2000:]}")
+                out = json.loads(done.stdout.strip().splitlines()[-1])
+                gbps[method].append(nbytes / out["seconds"] / 1e9)
+                faults[method].append(out["faults"])
+            line = "  ".join(f"{m} {v[-1]:.2f}" for m, v in gbps.items())
+            print(f"round {rnd + 1}: {line} GB/s; load {os.getloadavg()[0]:.2f}", flush=True)
+    finally:
+        import shutil
+
+        shutil.rmtree(args.dir, ignore_errors=True)
+    summary = {}
+    for m, values in gbps.items():
+        faulted = statistics.median(faults[m]) * 4096 / 1e9
+        summary[m] = {"median_gbps": statistics.median(values), "range_gbps": [min(values), max(values)]}
+        summary[m]["faulted_gb"] = faulted
+        print(f"{m:20s} median {statistics.median(values):.2f} GB/s ({min(values):.2f}-{max(values):.2f}), "
+              f"faulted in {faulted:.2f} GB")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"bytes": nbytes, "gbps": gbps, "faults": faults, "summary": summary}))
+
+
+if __name__ == "__main__":
+    main()
