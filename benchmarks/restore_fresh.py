@@ -15,8 +15,9 @@ with ``fadvise``), the order reversed every round:
 - ``restore into``: ``restore(step, into=state)`` into a live state allocated and written (so faulted in)
   before the timed call, as a model and optimizer are when a job resumes into them.
 
-Prints per round the throughputs, then per method the median and range and the minor page faults of the timed
-call (``getrusage``), as GB of 4 KiB pages.
+Prints the date, the load and the settings, then per round the throughputs, then per method the median and
+range and the memory the timed call made resident for the first time (the growth of the process's resident set
+across the call, read from ``/proc/self/statm``: the same figure whatever the page size or huge pages).
 
 Usage::
 
@@ -26,10 +27,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import mmap
 import os
-import resource
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,8 +43,15 @@ BLOCK = 16 << 20
 METHODS = ("raw, one buffer", "raw, new memory x1", "raw, new memory x4", "restore new", "restore into")
 
 
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def _resident() -> int:
+    """Bytes of this process's resident set (Linux)."""
+    with open("/proc/self/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: be killed when the parent dies (a timed-out parent leaves no child reading)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _raw(path: Path, streams: int, new_memory: bool) -> tuple[float, int]:
@@ -56,17 +66,18 @@ def _raw(path: Path, streams: int, new_memory: bool) -> tuple[float, int]:
         if new_memory:
             area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             view = memoryview(area)
-            f0 = _faults()
+            r0 = _resident()
             seconds = run_blocks(streams, size, BLOCK, lambda off, k: os.preadv(fd, [view[off : off + k]], off))
-            faults = _faults() - f0
+            grown = _resident() - r0
             view.release()
             area.close()
-            return seconds, faults
+            return seconds, grown
         bufs = ThreadBuffers(BLOCK)
-        bufs.get(BLOCK)  # this thread's buffer, faulted in before the clock starts
-        f0 = _faults()
+        buf = bufs.get(BLOCK)
+        buf[:] = bytes(BLOCK)  # this thread's buffer, written (so resident) before the clock starts
+        r0 = _resident()
         seconds = run_blocks(1, size, BLOCK, lambda off, k: os.preadv(fd, [bufs.get(k)], off))
-        return seconds, _faults() - f0
+        return seconds, _resident() - r0
     finally:
         os.close(fd)
 
@@ -79,14 +90,15 @@ def _restore(root: Path, gb: float, into: bool) -> tuple[float, int]:
     ck = Checkpointer(LocalStorage(root, io="direct"))
     try:
         state = None
-        if into:
+        if into:  # zero-filled, so written and resident, as a live model's memory is
             state = empty_like_state(gpt_like_spec("llama3-8b", int(gb * 1e9)))
-            for t in state.values():
-                t.zero_()  # written, as a live model's memory is
-        f0 = _faults()
+        r0 = _resident()
         start = time.perf_counter()
-        ck.restore(1, into=state)
-        return time.perf_counter() - start, _faults() - f0
+        restored = ck.restore(1, into=state)
+        seconds = time.perf_counter() - start
+        grown = _resident() - r0  # while the restored tensors are still held
+        del restored
+        return seconds, grown
     finally:
         ck.close()
 
@@ -99,14 +111,14 @@ def child(args: argparse.Namespace) -> None:
     method = args.child
     if method.startswith("raw"):
         new_memory = "new memory" in method
-        seconds, faults = _raw(raw, int(method[-1]) if new_memory else 1, new_memory)
+        seconds, grown = _raw(raw, int(method[-1]) if new_memory else 1, new_memory)
     else:
-        seconds, faults = _restore(args.dir / "ck", args.gb, into=method == "restore into")
-    print(json.dumps({"seconds": seconds, "faults": faults}))
+        seconds, grown = _restore(args.dir / "ck", args.gb, into=method == "restore into")
+    print(json.dumps({"seconds": seconds, "resident_growth": grown}))
 
 
 def prepare(args: argparse.Namespace) -> int:
-    """Save the state once and write the raw file of the same size; returns the state's bytes."""
+    """Write the raw file (refused where O_DIRECT is) and save the state once; returns the state's bytes."""
     from tiersave.bench.workload import build_state, gpt_like_spec
     from tiersave.checkpointer import Checkpointer
     from tiersave.storage.posix import LocalStorage
@@ -114,26 +126,27 @@ def prepare(args: argparse.Namespace) -> int:
 
     state = build_state(gpt_like_spec("llama3-8b", int(args.gb * 1e9)), seed=0)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    with Checkpointer(LocalStorage(args.dir / "ck", io="direct")) as ck:
-        ck.save(1, state)
-    del state
     size = nbytes + (-nbytes) % 4096
     block = mmap.mmap(-1, BLOCK)
     block[:] = os.urandom(1 << 20) * (BLOCK >> 20)
     path = args.dir / "raw.bin"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     dfd: int | None = None
     try:
         dfd = open_direct(path, os.O_WRONLY)
         if dfd is None:
             raise SystemExit(f"{args.dir} refuses O_DIRECT: there is no raw direct read to compare with")
         for off in range(0, size, BLOCK):
-            os.pwrite(dfd, memoryview(block)[: min(BLOCK, size - off)], off)
+            n = min(BLOCK, size - off)
+            if os.pwrite(dfd, memoryview(block)[:n], off) != n:
+                raise SystemExit(f"{path}: a short write at {off}")
         os.fsync(dfd)
     finally:
         if dfd is not None:
             os.close(dfd)
         os.close(fd)
+    with Checkpointer(LocalStorage(args.dir / "ck", io="direct")) as ck:
+        ck.save(1, state)
     return nbytes
 
 
@@ -148,37 +161,50 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    if args.dir.exists() and any(args.dir.iterdir()):
-        raise SystemExit(f"{args.dir} is not empty: give a new directory (it is removed at the end)")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    if args.dir.is_symlink() or (args.dir.exists() and (not args.dir.is_dir() or any(args.dir.iterdir()))):
+        ap.error(f"--dir {args.dir}: give a new or empty directory, not a link (it is removed at the end)")
+    if args.json is not None and args.dir.resolve() in args.json.resolve().parents:
+        ap.error("--json must lie outside --dir, which is removed at the end")
     args.dir.mkdir(parents=True, exist_ok=True)
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}, "
+          f"--gb {args.gb} --rounds {args.rounds}, directory {args.dir}", flush=True)  # fmt: skip
     try:
         nbytes = prepare(args)
         gbps: dict[str, list[float]] = {m: [] for m in METHODS}
-        faults: dict[str, list[int]] = {m: [] for m in METHODS}
+        grown: dict[str, list[int]] = {m: [] for m in METHODS}
         cmd = [sys.executable, __file__, "--dir", str(args.dir), "--gb", str(args.gb), "--child"]
+        limit = 120 + 120 * args.gb
         for rnd in range(args.rounds):
             for method in METHODS if rnd % 2 == 0 else METHODS[::-1]:
-                done = subprocess.run([*cmd, method], capture_output=True, text=True, timeout=600, check=False)
+                try:
+                    done = subprocess.run(
+                        [*cmd, method], capture_output=True, text=True, timeout=limit, check=False,
+                        preexec_fn=_die_with_parent,
+                    )  # fmt: skip
+                except subprocess.TimeoutExpired:
+                    raise SystemExit(f"{method}: no result within {limit:.0f} s") from None
                 if done.returncode != 0:
                     raise SystemExit(f"{method}: {done.stderr[-2000:]}")
                 out = json.loads(done.stdout.strip().splitlines()[-1])
                 gbps[method].append(nbytes / out["seconds"] / 1e9)
-                faults[method].append(out["faults"])
+                grown[method].append(out["resident_growth"])
             line = "  ".join(f"{m} {v[-1]:.2f}" for m, v in gbps.items())
             print(f"round {rnd + 1}: {line} GB/s; load {os.getloadavg()[0]:.2f}", flush=True)
     finally:
-        import shutil
-
-        shutil.rmtree(args.dir, ignore_errors=True)
+        shutil.rmtree(args.dir, onerror=lambda fn, path, exc: print(f"could not remove {path}: {exc[1]}"))
     summary = {}
     for m, values in gbps.items():
-        faulted = statistics.median(faults[m]) * 4096 / 1e9
+        touched = statistics.median(grown[m]) / 1e9
         summary[m] = {"median_gbps": statistics.median(values), "range_gbps": [min(values), max(values)]}
-        summary[m]["faulted_gb"] = faulted
+        summary[m]["new_resident_gb"] = touched
         print(f"{m:20s} median {statistics.median(values):.2f} GB/s ({min(values):.2f}-{max(values):.2f}), "
-              f"faulted in {faulted:.2f} GB")  # fmt: skip
+              f"made {touched:.2f} GB resident")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps({"bytes": nbytes, "gbps": gbps, "faults": faults, "summary": summary}))
+        settings = {"gb": args.gb, "rounds": args.rounds, "dir": str(args.dir), "time": time.time()}
+        doc = {"settings": settings, "bytes": nbytes, "gbps": gbps, "resident_growth": grown, "summary": summary}
+        args.json.write_text(json.dumps(doc))
 
 
 if __name__ == "__main__":

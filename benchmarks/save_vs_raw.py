@@ -67,13 +67,14 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
+    if args.dir.is_symlink() or (args.dir.exists() and (not args.dir.is_dir() or any(args.dir.iterdir()))):
+        ap.error(f"--dir {args.dir}: give a new or empty directory, not a link (what it writes there is removed)")
     args.dir.mkdir(parents=True, exist_ok=True)
     state = build_state(gpt_like_spec("llama3-8b", int(args.gb * 1e9)), seed=0)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     area = mmap.mmap(-1, RAW_BLOCK)
     area[:] = os.urandom(1 << 20) * (RAW_BLOCK >> 20)
     block = memoryview(area)
-    (args.dir / "raw.bin").unlink(missing_ok=True)  # left by a run killed mid-write
     ckpts: dict[int, Checkpointer] = {}
     steps = dict.fromkeys(threads, 0)
 

@@ -29,3 +29,10 @@ def test_tiny_run_times_every_method_each_round(tmp_path: Path) -> None:
         assert data["summary"][name]["median_vs_raw"] == pytest.approx((ratios[0] + ratios[1]) / 2)
     assert "tiersave x2    median" in done.stdout and "/raw" in done.stdout
     assert sorted(p.name for p in d.iterdir()) == []  # the raw file and both checkpoints' roots are gone
+
+
+def test_refuses_a_directory_with_files(tmp_path: Path) -> None:
+    (tmp_path / "t1").mkdir()  # a name the run would write and remove
+    done = run_benchmark("save_vs_raw.py", "--dir", str(tmp_path), "--gb", "0.01", timeout=60)
+    assert done.returncode == 2 and "give a new or empty directory" in done.stderr
+    assert (tmp_path / "t1").is_dir()
