@@ -39,7 +39,9 @@ import sys
 import time
 from pathlib import Path
 
-BLOCK = 16 << 20
+from save_vs_raw import RAW_BLOCK as BLOCK
+from save_vs_raw import refuse_unless_empty, write_raw
+
 METHODS = ("raw, one buffer", "raw, new memory x1", "raw, new memory x4", "restore new", "restore into")
 
 
@@ -122,29 +124,12 @@ def prepare(args: argparse.Namespace) -> int:
     from tiersave.bench.workload import build_state, gpt_like_spec
     from tiersave.checkpointer import Checkpointer
     from tiersave.storage.posix import LocalStorage
-    from tiersave.storage.posix.directio import open_direct
 
     state = build_state(gpt_like_spec("llama3-8b", int(args.gb * 1e9)), seed=0)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    size = nbytes + (-nbytes) % 4096
     block = mmap.mmap(-1, BLOCK)
     block[:] = os.urandom(1 << 20) * (BLOCK >> 20)
-    path = args.dir / "raw.bin"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    dfd: int | None = None
-    try:
-        dfd = open_direct(path, os.O_WRONLY)
-        if dfd is None:
-            raise SystemExit(f"{args.dir} refuses O_DIRECT: there is no raw direct read to compare with")
-        for off in range(0, size, BLOCK):
-            n = min(BLOCK, size - off)
-            if os.pwrite(dfd, memoryview(block)[:n], off) != n:
-                raise SystemExit(f"{path}: a short write at {off}")
-        os.fsync(dfd)
-    finally:
-        if dfd is not None:
-            os.close(dfd)
-        os.close(fd)
+    write_raw(args.dir / "raw.bin", nbytes, memoryview(block))
     with Checkpointer(LocalStorage(args.dir / "ck", io="direct")) as ck:
         ck.save(1, state)
     return nbytes
@@ -163,8 +148,7 @@ def main() -> None:
         return
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
-    if args.dir.is_symlink() or (args.dir.exists() and (not args.dir.is_dir() or any(args.dir.iterdir()))):
-        ap.error(f"--dir {args.dir}: give a new or empty directory, not a link (it is removed at the end)")
+    refuse_unless_empty(ap, args.dir)  # and it is removed at the end
     if args.json is not None and args.dir.resolve() in args.json.resolve().parents:
         ap.error("--json must lie outside --dir, which is removed at the end")
     args.dir.mkdir(parents=True, exist_ok=True)

@@ -37,14 +37,22 @@ from tiersave.storage.posix.directio import open_direct
 RAW_BLOCK = 16 << 20
 
 
-def raw_write(path: Path, nbytes: int, block: memoryview) -> float:
-    """Seconds of the bench's raw write: one stream of direct writes of ``block`` into a new file, + fsync."""
+def refuse_unless_empty(ap: argparse.ArgumentParser, directory: Path) -> None:
+    """Exit with a usage error unless ``directory`` is new or an empty directory (not a link): the benchmarks
+    remove what they write there."""
+    if directory.is_symlink() or (directory.exists() and (not directory.is_dir() or any(directory.iterdir()))):
+        ap.error(f"--dir {directory}: give a new or empty directory, not a link (what it writes there is removed)")
+
+
+def write_raw(path: Path, nbytes: int, block: memoryview) -> float:
+    """Seconds of the bench's raw write: one stream of direct writes of ``block`` into a new file of ``nbytes``
+    rounded up to a block, + fsync. The file stays."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     dfd: int | None = None
     try:
         dfd = open_direct(path, os.O_WRONLY)
         if dfd is None:
-            raise SystemExit(f"{path.parent} refuses O_DIRECT: there is no raw direct write to compare with")
+            raise SystemExit(f"{path.parent} refuses O_DIRECT: there is no raw direct I/O to compare with")
         size = nbytes + (-nbytes) % 4096  # direct writes end on a block, as the bench's raw write does
         start = time.perf_counter()
         run_blocks(1, size, RAW_BLOCK, lambda off, k: os.pwrite(dfd, block[:k], off))
@@ -54,7 +62,14 @@ def raw_write(path: Path, nbytes: int, block: memoryview) -> float:
         if dfd is not None:
             os.close(dfd)
         os.close(fd)
-        path.unlink()
+
+
+def raw_write(path: Path, nbytes: int, block: memoryview) -> float:
+    """:func:`write_raw`, then the file removed (outside the time)."""
+    try:
+        return write_raw(path, nbytes, block)
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def main() -> None:
@@ -67,8 +82,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
-    if args.dir.is_symlink() or (args.dir.exists() and (not args.dir.is_dir() or any(args.dir.iterdir()))):
-        ap.error(f"--dir {args.dir}: give a new or empty directory, not a link (what it writes there is removed)")
+    refuse_unless_empty(ap, args.dir)
     args.dir.mkdir(parents=True, exist_ok=True)
     state = build_state(gpt_like_spec("llama3-8b", int(args.gb * 1e9)), seed=0)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
