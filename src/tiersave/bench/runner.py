@@ -4,11 +4,11 @@ Procedure (in the spirit of the MLPerf Storage checkpointing workload):
 
 1. Build the GPT-like state (:mod:`tiersave.bench.workload`) and a zero-filled twin to load into.
 2. Calibrate the auto I/O policy for the directory's file system (outside every timed region).
-3. ``warmup`` untimed rounds, then ``checkpoints`` timed rounds, each in an order rotated every round
-   (and reversed every other cycle of rotations, :func:`round_order`) so that slow drifts of a shared
-   machine and what one contender leaves the next (a delete's discards, writeback) spread evenly: the raw
-   device run, then every method's save (until durable) followed by its cold loads; the page cache is
-   evicted before every timed operation;
+3. ``warmup`` untimed rounds, then ``checkpoints`` timed rounds, each in the order of one row of a
+   Williams design (:func:`round_order`), so that slow drifts of a shared machine and what one contender
+   leaves the next (a delete's discards, a page cache dropped, writeback) fall on every contender alike:
+   the raw device run, then every method's save (until durable) followed by its cold loads; the page
+   cache is evicted before every timed operation;
    each method's files are removed after its loads, so the disk holds one checkpoint at a time. The
    warm-up exists because a job's first save allocates staging memory that later saves reuse, and on a
    virtual machine that hands freed memory back to its host (virtio-balloon free page reporting), new
@@ -215,16 +215,32 @@ _STALL_PEERS = ("dcp-async", "memcpy", "dlrover-shm")
 """The peers timed in the second phase, with ``tiersave-async``: the stalls of saves that return early."""
 
 
+def design_rows(n: int) -> int:
+    """How many rounds one full cycle of :func:`round_order` takes for ``n`` contenders."""
+    return n if n % 2 == 0 or n < 2 else 2 * n
+
+
 def round_order(items: list[Any], rnd: int) -> list[Any]:
-    """The order of round ``rnd``: ``items`` rotated by ``rnd``, reversed in every other cycle of ``len(items)``
-    rounds, so that over two cycles each item runs right after each of its neighbours equally often (a plain
-    rotation puts the same item after the same one every time)."""
+    """The order of timed round ``rnd``: row ``rnd`` of a Williams design, a Latin square balanced for what
+    one contender leaves the next. Over :func:`design_rows` rounds (``n`` for an even number of items,
+    ``2n`` for an odd one) every item runs in every position equally often and right after every other item
+    equally often. (A rotation, even reversed every other cycle, puts each item after its two neighbours
+    in the list only: measured, the async save then followed DCP's async save, whose 3 GB of page cache the
+    next eviction drops, in half the rounds and the copy it is held against never did.)"""
     n = len(items)
     if n == 0:
         return []
-    k = rnd % n
-    order = items[k:] + items[:k]
-    return order[::-1] if (rnd // n) % 2 else order
+    first = [0]
+    low, high = 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...: each difference between neighbours occurs once
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    row = rnd % design_rows(n)
+    order = [items[(k + row) % n] for k in first]
+    return order[::-1] if row >= n else order
 
 
 def _phase(
@@ -238,8 +254,8 @@ def _phase(
     *,
     raw: bool = True,
 ) -> str:
-    """Run ``methods`` (and the raw device, with ``raw``) for the warm-up and timed rounds, the order rotated
-    every round; close them at the end. Returns how the page cache was evicted."""
+    """Run ``methods`` (and the raw device, with ``raw``) for the warm-up and timed rounds, each round in
+    the order :func:`round_order` gives it; close them at the end. Returns how the page cache was evicted."""
     directory = config.directory
     eviction = "fadvise"
     try:
@@ -250,7 +266,7 @@ def _phase(
         for rnd in range(rounds):
             timed = rnd >= config.warmup
             what = f"round {rnd - config.warmup + 1}" if timed else f"warm-up {rnd + 1}"
-            for item in round_order(order, rnd):
+            for item in round_order(order, rnd - config.warmup):  # the timed rounds start the design
                 if item is None:
                     tick(f"{what}: raw device write and read")
                     measured = measure_raw(directory, _nbytes(state), drop_caches=config.drop_caches)
@@ -320,6 +336,13 @@ def _run(config: BenchConfig, progress: ProgressFn | None, created: bool) -> Ben
         method = make_reference(p, buffer) if p in REFERENCES else make_peer(p)
         (stalls if p in _STALL_PEERS else durable).append(method)
     methods = durable + stalls
+    for phase, n in (("saves and loads", len(durable) + bool(config.raw)), ("stalls", len(stalls))):
+        rows = design_rows(n)
+        if n > 1 and config.checkpoints % rows:
+            notes.append(
+                f"{phase}: {n} contenders, whose order balances what each leaves the next over {rows} rounds; "
+                f"{config.checkpoints} timed rounds do not complete it (--checkpoints {rows} would)"
+            )
     rounds = config.warmup + config.checkpoints
     steps = (1 if config.raw else 0) + sum(1 + len(m.load_variants) for m in durable)
     steps = steps * rounds + (len(stalls) * rounds if stalls else 0)
