@@ -139,3 +139,27 @@ def test_without_obstore_an_s3_uri_names_the_extra():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "raised: the s3:// tier needs obstore: pip install 'tiersave[s3]'"
+
+
+def test_conditional_replace_names_the_version_it_replaces(s3_storage):
+    """put_if_version is S3's If-Match PUT: it replaces the version read, and nothing else."""
+    from tiersave.errors import ConfigError, PreconditionFailedError
+    from tiersave.storage.base import ConditionalUpdate
+
+    assert isinstance(s3_storage, ConditionalUpdate)
+    s3_storage.put("lease.json", b"first")
+    first = s3_storage.get_version("lease.json")
+    assert first.data == b"first" and first.version and first.mtime > 0
+    s3_storage.put_if_version("lease.json", b"second", first.version)
+    second = s3_storage.get_version("lease.json")
+    assert second.data == b"second" and second.version != first.version
+    # another writer replaced the version read: refused, and the other writer's bytes stay
+    with pytest.raises(PreconditionFailedError, match="no longer the version read"):
+        s3_storage.put_if_version("lease.json", b"stale writer", first.version)
+    assert s3_storage.get("lease.json") == b"second"
+    s3_storage.delete("lease.json")
+    with pytest.raises(PreconditionFailedError):  # deleted meanwhile: not created again
+        s3_storage.put_if_version("lease.json", b"stale writer", second.version)
+    assert not s3_storage.exists("lease.json")
+    with pytest.raises(ConfigError, match="no version"):
+        s3_storage.put_if_version("lease.json", b"x", "")

@@ -7,6 +7,7 @@ real file system, /dev/shm and the real SeaweedFS S3 server. Every wait is bound
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 import tiersave
-from tiersave.errors import WriterLockedError
+from tiersave.errors import StorageError, WriterLockedError
 from tiersave.storage.lock import LOCK_NAME, LockHolder
 from tiersave.storage.memory import MemoryStorage
 from tiersave.storage.s3.lease import Lease
@@ -238,17 +239,101 @@ def test_s3_heartbeat_renews_and_a_lost_lease_refuses_the_next_save(s3_root, mon
         Lease(ckpt.storage, ttl_s=2)
     # a successor's lease replaces ours (as after a pause longer than the lease): the next save is refused
     successor = LockHolder("elsewhere.invalid", 4242, time.time(), "s" * 16, time.time(), 2.0)
-    for _ in range(5):
-        # A heartbeat between its read and its renewal overwrites a put landing in between (an unconditional
-        # PUT, docs/guarantees.md); a loaded machine widens that gap, so put again until it stays.
-        ckpt.storage.put(LOCK_NAME, successor.to_bytes())
-        time.sleep(1.5)  # two heartbeats (every third of the 2 s time to live) read it back
-        if LockHolder.parse(ckpt.storage.get(LOCK_NAME)) == successor:
-            break
+    # written once: a renewal that read our lease just before replaces only that version (If-Match), so
+    # the successor's lease stays whenever it lands
+    ckpt.storage.put(LOCK_NAME, successor.to_bytes())
+    time.sleep(1.5)  # two heartbeats (every third of the 2 s time to live) read it back
+    assert LockHolder.parse(ckpt.storage.get(LOCK_NAME)) == successor
     with pytest.raises(WriterLockedError, match=r"taken over by pid 4242 on host elsewhere\.invalid"):
         ckpt.save(2, state())
     ckpt.close()
     assert LockHolder.parse(ckpt.storage.get(LOCK_NAME)) == successor  # close never deletes another's lease
+
+
+def _wait_lost(lease: Lease, seconds: float) -> str:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            lease.check()
+        except WriterLockedError as exc:
+            return str(exc)
+        time.sleep(0.05)
+    raise AssertionError(f"the lease was not found lost within {seconds} s")
+
+
+def test_s3_a_renewal_never_overwrites_a_successor_written_after_its_read(s3_root, monkeypatch):
+    _, storage = s3_root
+    lease = Lease(storage, ttl_s=2)
+    assert lease.conditional  # SeaweedFS honours If-Match
+    successor = LockHolder("elsewhere.invalid", 4242, time.time(), "s" * 16, time.time(), 60.0)
+    read = storage.get_version
+    armed = [True]
+
+    def read_then_successor(key: str, **kw: Any) -> Any:
+        got = read(key, **kw)  # the heartbeat's read of its own lease...
+        if armed[0] and key == LOCK_NAME:
+            armed[0] = False
+            storage.put(LOCK_NAME, successor.to_bytes())  # ...and a successor's lease before its renewal
+        return got
+
+    monkeypatch.setattr(storage, "get_version", read_then_successor)
+    message = _wait_lost(lease, 5.0)
+    assert re.search(r"taken over by pid 4242 on host elsewhere\.invalid .*as this writer renewed it", message)
+    assert LockHolder.parse(storage.get(LOCK_NAME)) == successor  # never overwritten
+    lease.release()
+    assert LockHolder.parse(storage.get(LOCK_NAME)) == successor  # nor deleted
+
+
+def test_s3_a_stale_lease_is_taken_over_by_one_successor_only(s3_root, monkeypatch):
+    _, storage = s3_root
+    stale = LockHolder("gone.invalid", 4242, time.time(), "g" * 16, time.time(), 2.0)
+    rival = LockHolder("rival.invalid", 4343, time.time(), "r" * 16, time.time(), 2.0)
+    storage.put(LOCK_NAME, stale.to_bytes())
+    read = storage.get_version
+
+    def read_then_rival(key: str, **kw: Any) -> Any:
+        got = read(key, **kw)
+        if key == LOCK_NAME and LockHolder.parse(got.data) == stale:
+            # this read finds the lease expired, and a rival successor replaces that version first
+            storage.put_if_version(LOCK_NAME, rival.to_bytes(), got.version)
+        return got
+
+    time.sleep(3.5)  # expired (2 s time to live, + 1 s for Last-Modified's resolution) before the first read
+    monkeypatch.setattr(storage, "get_version", read_then_rival)
+    lease = Lease(storage, ttl_s=2)
+    # the rival's lease was not deleted under it: this writer read it again, and took it over only once it
+    # expired in turn (the rival never renews it)
+    assert lease.note is not None and "rival.invalid" in lease.note and "not renewed" in lease.note
+    assert LockHolder.parse(storage.get(LOCK_NAME)) == lease.holder
+    lease.release()
+
+
+def test_s3_a_store_without_if_match_is_renewed_by_overwrite_with_a_warning(s3_root, monkeypatch, caplog):
+    _, storage = s3_root
+
+    def ignores_if_match(key: str, data: Any, version: str) -> None:
+        storage.put(key, data)  # as a store that ignores the header: an unconditional overwrite
+
+    monkeypatch.setattr(storage, "put_if_version", ignores_if_match)
+    with caplog.at_level("WARNING", logger="tiersave.storage.s3.lease"):
+        lease = Lease(storage, ttl_s=2)
+    assert not lease.conditional and "ignores If-Match" in caplog.text
+    first = storage.head(LOCK_NAME).mtime
+    time.sleep(2.5)  # past its time to live: alive only because the heartbeat renewed it
+    assert storage.head(LOCK_NAME).mtime > first
+    lease.check()
+    lease.release()
+    assert not storage.exists(LOCK_NAME)
+
+    def refuses_if_match(key: str, data: Any, version: str) -> None:
+        raise StorageError("HTTP 501 NotImplemented", tier=storage.uri, key=key)
+
+    monkeypatch.setattr(storage, "put_if_version", refuses_if_match)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tiersave.storage.s3.lease"):
+        lease = Lease(storage, ttl_s=2)
+    assert not lease.conditional and "refuses conditional writes" in caplog.text
+    lease.release()
 
 
 def test_malformed_lock_contents_name_no_holder():

@@ -110,6 +110,32 @@ class ChecksumReader(Protocol):
         """Fill each ``(offset, out)`` as ``RangesReader.read_ranges`` does; return each one's CRC-32C."""
 
 
+@dataclass(frozen=True, slots=True)
+class VersionedObject:
+    """A whole object as one read returned it: its bytes, the store's time of that version's write and
+    the version tag (S3's ``ETag``) that a conditional replace names."""
+
+    data: bytes
+    mtime: float
+    version: str
+
+
+@runtime_checkable
+class ConditionalUpdate(Protocol):
+    """A storage that can replace an object only while it is still the version read (optional; S3's
+    ``If-Match`` on PUT). The object-store writer lock renews and takes over its lease with it, so that a
+    lease written by another writer between the read and the write is never replaced."""
+
+    def get_version(self, key: str, *, max_bytes: int | None = None) -> VersionedObject:
+        """Read a whole object and the version of exactly those bytes (one request); raise
+        :class:`ObjectNotFoundError` if there is none, :class:`FormatError` past ``max_bytes``."""
+
+    def put_if_version(self, key: str, data: bytes | memoryview, version: str) -> None:
+        """Replace ``key`` only if its current version is ``version``; raise
+        :class:`PreconditionFailedError` if it changed or was deleted (nothing is written then). A store
+        that ignores the condition replaces the object regardless: callers that rely on it probe for it."""
+
+
 @runtime_checkable
 class Storage(Protocol):
     """One tier's storage. See the module docstring for the call protocol and thread safety."""

@@ -9,7 +9,13 @@ its time to live (``TIERSAVE_LEASE_TTL_S``, default 60 s):
 - **Holding it**: a heartbeat thread renews it every third of its time to live. Each renewal first reads
   the lease back and checks that its token is still this writer's; a writer that finds a successor's
   token (it was paused longer than the lease lasts) has lost the lock, and its next save fails with
-  :class:`~tiersave.errors.WriterLockedError` instead of writing beside the successor.
+  :class:`~tiersave.errors.WriterLockedError` instead of writing beside the successor. The renewal
+  replaces only the version it read (``If-Match``, S3's conditional write), so a successor's lease
+  written between the read and the renewal is never overwritten: the renewal fails and this writer
+  knows at once that it lost the lock. Not every S3-compatible store honours ``If-Match``: right after
+  taking the lease, a conditional write naming a version that does not exist probes for it (a store
+  that honours it refuses with 412); where it is ignored or refused, renewals overwrite, with a warning,
+  and a successor written in that window finds this writer's lease at its own next heartbeat instead.
 - **Expiry**: a lease whose object was last written (the store's own ``Last-Modified``, so the holder's
   clock does not matter) longer than its time to live ago, or whose holder ran on this host and is
   gone, is stale: it is deleted, created anew (create-only again, so of two successors one wins) and
@@ -20,8 +26,9 @@ its time to live (``TIERSAVE_LEASE_TTL_S``, default 60 s):
 - **Releasing** deletes the lease after reading back that it is still this writer's.
 
 Anti-scope: file systems (``flock``, :mod:`tiersave.storage.posix.lock`); who takes the lock. Uses only
-the :class:`~tiersave.storage.base.Storage` protocol (create-only put, get, head, delete), so any backend
-with ``capabilities.conditional_put`` can hold one.
+the :class:`~tiersave.storage.base.Storage` protocol (create-only put, get, head, delete), and the
+optional :class:`~tiersave.storage.base.ConditionalUpdate` where the backend has it, so any backend with
+``capabilities.conditional_put`` can hold one.
 """
 
 from __future__ import annotations
@@ -30,9 +37,16 @@ import logging
 import threading
 import time
 
-from ...errors import AlreadyExistsError, ObjectNotFoundError, StorageError, WriterLockedError
+from ...errors import (
+    AlreadyExistsError,
+    ConfigError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    WriterLockedError,
+)
 from ...knobs import int_env
-from ..base import Storage
+from ..base import ConditionalUpdate, Storage
 from ..lock import LOCK_NAME, MAX_LOCK_BYTES, LockHolder, refused, taken_over_note
 
 __all__ = ["Lease", "lease_ttl_s"]
@@ -40,6 +54,9 @@ __all__ = ["Lease", "lease_ttl_s"]
 log = logging.getLogger(__name__)
 
 _TTL_ENV = "TIERSAVE_LEASE_TTL_S"
+
+_NO_SUCH_VERSION = '"tiersave-no-such-version"'
+"""The version the probe names: no object has it, so a store that honours ``If-Match`` refuses the write."""
 
 
 def lease_ttl_s() -> int:
@@ -66,13 +83,16 @@ class Lease:
         self._lost: str | None = None
         self.note: str | None = None
         self._stop = threading.Event()
+        self._versioned = storage if isinstance(storage, ConditionalUpdate) else None
         self._take()
+        self.conditional = self._honours_if_match()
+        """Whether renewals replace only the version read (the store honours ``If-Match``)."""
         self._renewed = time.monotonic()
         self._thread = threading.Thread(target=self._heartbeat, name="tiersave-lease", daemon=True)
         self._thread.start()
 
     def _take(self) -> None:
-        for _ in range(3):  # bounded: each round takes the lease, refuses, or removes a stale one
+        for _ in range(3):  # bounded: each round takes the lease, refuses, or replaces a stale one
             try:
                 self.storage.put(LOCK_NAME, self.holder.to_bytes(), mode="create")
                 return
@@ -81,23 +101,68 @@ class Lease:
             found = self._current()
             if found is None:
                 continue  # released meanwhile: try to create it again
-            current, why = self._wait_stale(*found)
-            self.storage.delete(LOCK_NAME)
-            if current is not None:
-                self.note = taken_over_note(self.uri, current, why)
+            current, why, version = self._wait_stale(*found)
+            if self._replace_stale(version):
+                if current is not None:
+                    self.note = taken_over_note(self.uri, current, why)
+                return
         raise refused(self.uri, None, " (the lease changed hands while it was being taken; try again)")
 
-    def _current(self) -> tuple[LockHolder | None, float] | None:
-        """The lease's holder and the store's time of its last write; None if there is no lease."""
+    def _replace_stale(self, version: str) -> bool:
+        """Put this writer's lease in place of the stale one read as ``version``. True when it is this
+        writer's now; False when the next round must create it (deleted here: no ``If-Match``) or read
+        again (another writer changed it first)."""
+        if self._versioned is not None and version:
+            try:
+                self._versioned.put_if_version(LOCK_NAME, self.holder.to_bytes(), version)
+                return True
+            except PreconditionFailedError:
+                return self._read_back() == self.holder  # our own write, retried after a lost response
+            except (StorageError, ConfigError) as exc:  # the store refuses conditional writes
+                log.info("tiersave: %s refused a conditional write (%s); deleting the stale lease", self.uri, exc)
+        self.storage.delete(LOCK_NAME)
+        return False
+
+    def _current(self) -> tuple[LockHolder | None, float, str] | None:
+        """The lease's holder, the store's time of its last write and its version ("" where the store has
+        no versions); None if there is no lease."""
         try:
+            if self._versioned is not None:
+                got = self._versioned.get_version(LOCK_NAME, max_bytes=MAX_LOCK_BYTES)
+                return LockHolder.parse(got.data), got.mtime, got.version
             mtime = self.storage.head(LOCK_NAME).mtime
-            return LockHolder.parse(self.storage.get(LOCK_NAME, max_bytes=MAX_LOCK_BYTES)), mtime
+            return LockHolder.parse(self.storage.get(LOCK_NAME, max_bytes=MAX_LOCK_BYTES)), mtime, ""
         except ObjectNotFoundError:
             return None
 
-    def _wait_stale(self, current: LockHolder | None, mtime: float) -> tuple[LockHolder | None, str]:
-        """Wait (at most the lease's time to live) until the lease is known stale, and say why; raise
-        WriterLockedError as soon as it is renewed, i.e. its writer lives.
+    def _honours_if_match(self) -> bool:
+        """Whether the store refuses a conditional write that names a version it does not have (probed on
+        this writer's own lease: a store that ignores the condition rewrites the same bytes)."""
+        if self._versioned is None:
+            return False
+        try:
+            self._versioned.put_if_version(LOCK_NAME, self.holder.to_bytes(), _NO_SUCH_VERSION)
+        except PreconditionFailedError:
+            return True
+        except (StorageError, ConfigError) as exc:
+            log.warning(
+                "tiersave: %s refuses conditional writes (If-Match: %s): the writer lock's lease is renewed by "
+                "reading it back and overwriting it (docs/guarantees.md, 'One writer per root')",
+                self.uri,
+                exc,
+            )
+            return False
+        log.warning(
+            "tiersave: %s ignores If-Match (S3's conditional write): the writer lock's lease is renewed by reading "
+            "it back and overwriting it (docs/guarantees.md, 'One writer per root')",
+            self.uri,
+        )
+        return False
+
+    def _wait_stale(self, current: LockHolder | None, mtime: float, version: str) -> tuple[LockHolder | None, str, str]:
+        """Wait (at most the lease's time to live) until the lease is known stale, and say why (with the
+        version that was judged stale); raise WriterLockedError as soon as it is renewed, i.e. its writer
+        lives.
 
         Waiting instead of refusing at once lets a job restarted on another node right after its
         predecessor died take the root over, while a live writer is still refused within a third of the
@@ -105,17 +170,17 @@ class Lease:
         ttl = current.ttl_s if current is not None and current.ttl_s > 0 else self.holder.ttl_s
         while True:
             if current is not None and current.alive() is False:
-                return current, "that process is no longer running"
+                return current, "that process is no longer running", version
             age = time.time() - mtime
             if age > ttl + 1.0:  # + the second resolution of Last-Modified
-                return current, f"not renewed for {age:.0f} s, its time to live is {ttl:.0f} s"
+                return current, f"not renewed for {age:.0f} s, its time to live is {ttl:.0f} s", version
             time.sleep(min(ttl + 1.5 - age, max(0.2, ttl / 6)))
             found = self._current()
             if found is None:
-                return current, "released while this writer waited"
+                return current, "released while this writer waited", ""
             if found[1] != mtime or (found[0] != current):
                 raise refused(self.uri, found[0], ", renewing its lease")
-            current, mtime = found
+            current, mtime, version = found
 
     def _read_back(self) -> LockHolder | None:
         try:
@@ -127,14 +192,10 @@ class Lease:
         interval = self.holder.ttl_s / 3
         while not self._stop.wait(interval):
             try:
-                current = self._read_back()
-                if current is None or current.token != self.holder.token:
-                    who = current.describe() if current is not None else "nobody (the lease object is gone)"
-                    self._lost = f"the lease was taken over by {who}"
+                self._lost = self._renew()
+                if self._lost is not None:
                     log.warning("tiersave: lost the writer lock of %s: %s", self.uri, self._lost)
                     return
-                self.holder = self.holder.renew()
-                self.storage.put(LOCK_NAME, self.holder.to_bytes(), mode="overwrite")
                 self._renewed = time.monotonic()
             except StorageError as exc:  # retried next beat; lost only once the lease may have expired
                 silent = time.monotonic() - self._renewed
@@ -142,6 +203,29 @@ class Lease:
                 if silent > self.holder.ttl_s:
                     self._lost = f"it could not be renewed for {silent:.0f} s (last error: {exc})"
                     return
+
+    def _renew(self) -> str | None:
+        """Renew the lease if it is still this writer's; else say who has it."""
+        found = self._current()
+        current = found[0] if found is not None else None
+        if current is None or current.token != self.holder.token:
+            who = current.describe() if current is not None else "nobody (the lease object is gone)"
+            return f"the lease was taken over by {who}"
+        renewed = self.holder.renew()
+        version = found[2] if found is not None else ""
+        if self.conditional and version and self._versioned is not None:
+            try:
+                self._versioned.put_if_version(LOCK_NAME, renewed.to_bytes(), version)
+            except PreconditionFailedError:
+                now = self._read_back()
+                if now is None or now.token != self.holder.token:  # a successor's lease: left as it is
+                    who = now.describe() if now is not None else "nobody (the lease object is gone)"
+                    return f"the lease was taken over by {who} as this writer renewed it"
+                renewed = now  # still ours (our own write, retried after its response was lost)
+        else:
+            self.storage.put(LOCK_NAME, renewed.to_bytes(), mode="overwrite")
+        self.holder = renewed
+        return None
 
     def check(self) -> None:
         """Raise if the lease was lost (taken over, or not renewed within its time to live)."""
@@ -165,4 +249,5 @@ class Lease:
             self.storage.delete(LOCK_NAME)
 
     def __repr__(self) -> str:
-        return f"Lease({self.uri!r}, {self.holder.describe()}, ttl {self.holder.ttl_s:.0f} s)"
+        how = "If-Match" if self.conditional else "read, then overwrite"
+        return f"Lease({self.uri!r}, {self.holder.describe()}, ttl {self.holder.ttl_s:.0f} s, renewed by {how})"

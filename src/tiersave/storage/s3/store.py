@@ -31,7 +31,7 @@ from ...errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
 )
-from ..base import ObjectInfo, PutMode, StorageCapabilities, check_key
+from ..base import ObjectInfo, PutMode, StorageCapabilities, VersionedObject, check_key
 from .control import MultipartUpload, S3Control
 from .errors import error_summary, mapped_errors
 from .lease import Lease
@@ -155,10 +155,16 @@ class S3Storage:
                 time.sleep(0.05 * 2**attempt)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        return self.get_version(key, max_bytes=max_bytes).data
+
+    def get_version(self, key: str, *, max_bytes: int | None = None) -> VersionedObject:
+        """The object's bytes with the ``ETag`` and ``Last-Modified`` of that same response ("" when the
+        store sends no ``ETag``)."""
         check_key(key)
         with self._errors("reading", key):
             result = obstore.get(self._store, key)
-            size = int(result.meta["size"])
+            meta = result.meta
+            size = int(meta["size"])
             if max_bytes is not None and size > max_bytes:
                 raise FormatError(f"{key!r} on {self.uri} is {size} bytes, over the {max_bytes}-byte limit", path=key)
             data = bytes(result.bytes())
@@ -166,7 +172,39 @@ class S3Storage:
             raise CorruptCheckpointError(
                 f"{key!r} on {self.uri}: read {len(data)} bytes, the object has {size}", file=key
             )
-        return data
+        return VersionedObject(data, meta["last_modified"].timestamp(), meta.get("e_tag") or "")
+
+    def put_if_version(self, key: str, data: bytes | memoryview, version: str) -> None:
+        """Replace ``key`` only while its ``ETag`` is ``version``: a PUT with ``If-Match`` (S3's conditional
+        write). A store answers 412 when the object changed or is gone (PreconditionFailedError here);
+        409 (a concurrent conditional write in flight) is retried, bounded, and the retry settles it."""
+        check_key(key)
+        view = byte_view(data)
+        if not version:
+            raise ConfigError(f"conditional put of {key!r}: no version to match (the store sent no ETag)")
+        if len(view) > MAX_SINGLE_PUT_BYTES:
+            raise ConfigError(f"conditional put of {key!r} is {len(view)} bytes, over S3's 5 GiB single-PUT limit")
+        changed: BaseException | None = None
+        for attempt in range(4):
+            try:
+                with self._errors("writing (if unchanged)", key):
+                    try:
+                        obstore.put(self._store, key, view, mode={"e_tag": version}, use_multipart=False)
+                    except (_obx.PreconditionError, _obx.NotFoundError) as exc:  # 412, or no such key
+                        changed = exc
+                if changed is None:
+                    return
+                break
+            except PreconditionFailedError:  # 409 ConditionalRequestConflict (errors.py): retried, bounded
+                if attempt == 3:
+                    raise
+                time.sleep(0.05 * 2**attempt)
+        raise PreconditionFailedError(
+            f"replacing {key!r} on {self.uri}: it is no longer the version read (changed or deleted by another "
+            "writer); nothing was written",
+            tier=self.uri,
+            key=key,
+        ) from changed
 
     # -- large objects ----------------------------------------------------------------------------
 
