@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 import tiersave
-from tiersave.errors import StorageError, WriterLockedError
+from tiersave.errors import PreconditionFailedError, StorageError, WriterLockedError
 from tiersave.storage.lock import LOCK_NAME, LockHolder
 from tiersave.storage.memory import MemoryStorage
 from tiersave.storage.s3.lease import Lease
@@ -318,12 +319,21 @@ def test_s3_a_store_without_if_match_is_renewed_by_overwrite_with_a_warning(s3_r
     with caplog.at_level("WARNING", logger="tiersave.storage.s3.lease"):
         lease = Lease(storage, ttl_s=2)
     assert not lease.conditional and "ignores If-Match" in caplog.text
+    assert [o.key for o in storage.list()] == [LOCK_NAME]  # the probe's scratch object is gone
     first = storage.head(LOCK_NAME).mtime
     time.sleep(2.5)  # past its time to live: alive only because the heartbeat renewed it
     assert storage.head(LOCK_NAME).mtime > first
     lease.check()
     lease.release()
     assert not storage.exists(LOCK_NAME)
+    # a stale lease on such a store is deleted and created anew (create-only), with the note
+    stale = LockHolder("gone.invalid", 4242, time.time(), "g" * 16, time.time(), 2.0)
+    storage.put(LOCK_NAME, stale.to_bytes())
+    time.sleep(3.5)
+    lease = Lease(storage, ttl_s=2)
+    assert lease.note is not None and "gone.invalid" in lease.note
+    assert LockHolder.parse(storage.get(LOCK_NAME)) == lease.holder
+    lease.release()
 
     def refuses_if_match(key: str, data: Any, version: str) -> None:
         raise StorageError("HTTP 501 NotImplemented", tier=storage.uri, key=key)
@@ -334,6 +344,88 @@ def test_s3_a_store_without_if_match_is_renewed_by_overwrite_with_a_warning(s3_r
         lease = Lease(storage, ttl_s=2)
     assert not lease.conditional and "refuses conditional writes" in caplog.text
     lease.release()
+    assert list(storage.list()) == []
+
+
+def test_s3_a_lease_released_and_taken_while_a_successor_waits_is_not_deleted(s3_root, monkeypatch):
+    _, storage = s3_root
+    live = LockHolder("live.invalid", 4242, time.time(), "l" * 16, time.time(), 2.0)
+    third = LockHolder("third.invalid", 4343, time.time(), "t" * 16, time.time(), 2.0)
+    storage.put(LOCK_NAME, live.to_bytes())  # fresh: the new writer watches it
+    read = storage.get_version
+    reads = [0]
+
+    def released_then_third(key: str, **kw: Any) -> Any:
+        if key == LOCK_NAME:
+            reads[0] += 1
+            if reads[0] == 2:  # the watching writer's second look: released, and a third writer creates it
+                storage.delete(LOCK_NAME)
+                try:
+                    return read(key, **kw)
+                finally:
+                    storage.put(LOCK_NAME, third.to_bytes(), mode="create")
+        return read(key, **kw)
+
+    monkeypatch.setattr(storage, "get_version", released_then_third)
+    lease = Lease(storage, ttl_s=2)
+    # the third writer's lease was read and waited out, not deleted on sight
+    assert lease.note is not None and "third.invalid" in lease.note and "not renewed" in lease.note
+    lease.release()
+
+
+def test_s3_a_takeover_whose_outcome_is_unknown_deletes_nothing(s3_root, monkeypatch):
+    from tiersave.errors import TransientStorageError
+
+    _, storage = s3_root
+    stale = LockHolder("gone.invalid", 4242, time.time(), "g" * 16, time.time(), 2.0)
+    storage.put(LOCK_NAME, stale.to_bytes())
+    time.sleep(3.5)
+    conditional = storage.put_if_version
+
+    def times_out(key: str, data: Any, version: str) -> None:
+        if key != LOCK_NAME:
+            return conditional(key, data, version)  # the probe
+        raise TransientStorageError("connection reset", tier=storage.uri, key=key)
+
+    monkeypatch.setattr(storage, "put_if_version", times_out)
+    with pytest.raises(TransientStorageError):
+        Lease(storage, ttl_s=2)
+    assert LockHolder.parse(storage.get(LOCK_NAME)) == stale  # not deleted on a guess
+
+
+def test_s3_a_renewal_the_store_refuses_is_not_counted_and_the_save_is_refused(s3_root, monkeypatch):
+    _, storage = s3_root
+    lease = Lease(storage, ttl_s=2)
+    assert lease.conditional
+
+    def refuses(key: str, data: Any, version: str) -> None:
+        raise PreconditionFailedError("412", tier=storage.uri, key=key)  # yet the lease is still ours
+
+    monkeypatch.setattr(storage, "put_if_version", refuses)
+    message = _wait_lost(lease, 6.0)
+    assert "renew" in message and "4242" not in message
+    assert LockHolder.parse(storage.get(LOCK_NAME)).token == lease.holder.token  # ours, never renewed
+    lease.release()
+
+
+def test_s3_a_save_is_refused_once_the_lease_went_unrenewed_for_its_time_to_live(s3_root, monkeypatch):
+    _, storage = s3_root
+    lease = Lease(storage, ttl_s=2)
+    gate = threading.Event()
+    read = storage.get_version
+
+    def hangs(key: str, **kw: Any) -> Any:
+        if key == LOCK_NAME:
+            gate.wait(20)  # a request that neither answers nor fails (bounded here)
+        return read(key, **kw)
+
+    monkeypatch.setattr(storage, "get_version", hangs)
+    try:
+        message = _wait_lost(lease, 6.0)
+        assert "past its time to live" in message
+    finally:
+        gate.set()
+        lease.release()
 
 
 def test_malformed_lock_contents_name_no_holder():

@@ -12,17 +12,23 @@ its time to live (``TIERSAVE_LEASE_TTL_S``, default 60 s):
   :class:`~tiersave.errors.WriterLockedError` instead of writing beside the successor. The renewal
   replaces only the version it read (``If-Match``, S3's conditional write), so a successor's lease
   written between the read and the renewal is never overwritten: the renewal fails and this writer
-  knows at once that it lost the lock. Not every S3-compatible store honours ``If-Match``: right after
-  taking the lease, a conditional write naming a version that does not exist probes for it (a store
-  that honours it refuses with 412); where it is ignored or refused, renewals overwrite, with a warning,
-  and a successor written in that window finds this writer's lease at its own next heartbeat instead.
+  knows at once that it lost the lock. A save is also refused once the lease has gone unrenewed for its
+  time to live, whatever the heartbeat is doing.
 - **Expiry**: a lease whose object was last written (the store's own ``Last-Modified``, so the holder's
   clock does not matter) longer than its time to live ago, or whose holder ran on this host and is
-  gone, is stale: it is deleted, created anew (create-only again, so of two successors one wins) and
-  the takeover is reported with a note. A lease that is not yet stale is watched for at most its time to
-  live: renewed meanwhile, its writer lives and the new writer is refused (within one heartbeat);
-  not renewed, it expires and is taken over, so a job restarted right after its predecessor died on
-  another node goes on instead of failing.
+  gone, is stale: it is replaced by a conditional write naming the version judged stale (of two
+  successors, or a successor and a holder renewing at that moment, one succeeds; the other reads the
+  lease again) and the takeover is reported with a note. A lease that is not yet stale is watched for at
+  most its time to live: renewed meanwhile, its writer lives and the new writer is refused (within one
+  heartbeat); not renewed, it expires and is taken over, so a job restarted right after its predecessor
+  died on another node goes on instead of failing.
+- **Stores without If-Match**: not every S3-compatible store honours it. Before touching the lease, a
+  writer probes on a scratch object of its own (``tiersave-writer.lock.probe-TOKEN``, deleted at once):
+  a conditional write naming its version must be accepted, and one naming a version it does not have
+  refused. Where the store fails either, a warning says so, renewals read back and overwrite, and a
+  takeover deletes the stale lease and creates it anew (create-only): a successor's lease written
+  between two such requests is lost, and that successor finds another writer's lease at its own next
+  heartbeat and is the one refused.
 - **Releasing** deletes the lease after reading back that it is still this writer's.
 
 Anti-scope: file systems (``flock``, :mod:`tiersave.storage.posix.lock`); who takes the lock. Uses only
@@ -43,6 +49,7 @@ from ...errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     StorageError,
+    TiersaveError,
     WriterLockedError,
 )
 from ...knobs import int_env
@@ -56,7 +63,7 @@ log = logging.getLogger(__name__)
 _TTL_ENV = "TIERSAVE_LEASE_TTL_S"
 
 _NO_SUCH_VERSION = '"tiersave-no-such-version"'
-"""The version the probe names: no object has it, so a store that honours ``If-Match`` refuses the write."""
+"""The version the probe names last: no object has it, so a store that honours ``If-Match`` refuses it."""
 
 
 def lease_ttl_s() -> int:
@@ -84,42 +91,51 @@ class Lease:
         self.note: str | None = None
         self._stop = threading.Event()
         self._versioned = storage if isinstance(storage, ConditionalUpdate) else None
+        self.conditional = self._probe_if_match()
+        """Whether renewals and takeovers replace only the version read (the store honours ``If-Match``)."""
         self._take()
-        self.conditional = self._honours_if_match()
-        """Whether renewals replace only the version read (the store honours ``If-Match``)."""
         self._renewed = time.monotonic()
         self._thread = threading.Thread(target=self._heartbeat, name="tiersave-lease", daemon=True)
         self._thread.start()
 
     def _take(self) -> None:
+        deleted: tuple[LockHolder, str] | None = None  # the stale lease deleted for the next create (no If-Match)
         for _ in range(3):  # bounded: each round takes the lease, refuses, or replaces a stale one
             try:
                 self.storage.put(LOCK_NAME, self.holder.to_bytes(), mode="create")
+                if deleted is not None:
+                    self.note = taken_over_note(self.uri, *deleted)
                 return
             except AlreadyExistsError:
-                pass
+                deleted = None
             found = self._current()
             if found is None:
                 continue  # released meanwhile: try to create it again
-            current, why, version = self._wait_stale(*found)
+            if found[0] == self.holder:
+                return  # this writer's own write of an earlier round, whose response was lost
+            stale = self._wait_stale(*found)
+            if stale is None:
+                continue  # released while this writer waited: create it (never delete what is there now)
+            current, why, version = stale
             if self._replace_stale(version):
                 if current is not None:
                     self.note = taken_over_note(self.uri, current, why)
                 return
+            if not self.conditional and current is not None:
+                deleted = (current, why)
         raise refused(self.uri, None, " (the lease changed hands while it was being taken; try again)")
 
     def _replace_stale(self, version: str) -> bool:
         """Put this writer's lease in place of the stale one read as ``version``. True when it is this
-        writer's now; False when the next round must create it (deleted here: no ``If-Match``) or read
-        again (another writer changed it first)."""
-        if self._versioned is not None and version:
+        writer's now; False when the next round must read it again (another writer changed it first) or,
+        on a store without ``If-Match``, create it (deleted here). Any other error propagates: whether the
+        write landed is unknown, so nothing is deleted on a guess."""
+        if self.conditional and version and self._versioned is not None:
             try:
                 self._versioned.put_if_version(LOCK_NAME, self.holder.to_bytes(), version)
                 return True
             except PreconditionFailedError:
-                return self._read_back() == self.holder  # our own write, retried after a lost response
-            except (StorageError, ConfigError) as exc:  # the store refuses conditional writes
-                log.info("tiersave: %s refused a conditional write (%s); deleting the stale lease", self.uri, exc)
+                return False
         self.storage.delete(LOCK_NAME)
         return False
 
@@ -135,34 +151,45 @@ class Lease:
         except ObjectNotFoundError:
             return None
 
-    def _honours_if_match(self) -> bool:
-        """Whether the store refuses a conditional write that names a version it does not have (probed on
-        this writer's own lease: a store that ignores the condition rewrites the same bytes)."""
+    def _probe_if_match(self) -> bool:
+        """Whether the store honours ``If-Match`` on PUT, tried on a scratch object of this writer's own (the
+        lease is not touched): a conditional write naming the object's version must be accepted, and one
+        naming a version it does not have refused."""
         if self._versioned is None:
             return False
+        key = f"{LOCK_NAME}.probe-{self.holder.token}"
+        data = self.holder.to_bytes()
         try:
-            self._versioned.put_if_version(LOCK_NAME, self.holder.to_bytes(), _NO_SUCH_VERSION)
-        except PreconditionFailedError:
-            return True
+            self.storage.put(key, data, mode="create")
+            try:
+                version = self._versioned.get_version(key, max_bytes=MAX_LOCK_BYTES).version
+                self._versioned.put_if_version(key, data, version)
+                try:
+                    self._versioned.put_if_version(key, data, _NO_SUCH_VERSION)
+                except PreconditionFailedError:
+                    return True
+                why = "ignores If-Match (S3's conditional write)"
+            finally:
+                try:
+                    self.storage.delete(key)
+                except StorageError as exc:
+                    log.warning("tiersave: could not delete the scratch object %s of %s: %s", key, self.uri, exc)
         except (StorageError, ConfigError) as exc:
-            log.warning(
-                "tiersave: %s refuses conditional writes (If-Match: %s): the writer lock's lease is renewed by "
-                "reading it back and overwriting it (docs/guarantees.md, 'One writer per root')",
-                self.uri,
-                exc,
-            )
-            return False
+            why = f"refuses conditional writes (If-Match: {exc})"
         log.warning(
-            "tiersave: %s ignores If-Match (S3's conditional write): the writer lock's lease is renewed by reading "
-            "it back and overwriting it (docs/guarantees.md, 'One writer per root')",
+            "tiersave: %s %s: the writer lock's lease is renewed by reading it back and overwriting it, and taken "
+            "over by deleting and creating it (docs/guarantees.md, 'One writer per root')",
             self.uri,
+            why,
         )
         return False
 
-    def _wait_stale(self, current: LockHolder | None, mtime: float, version: str) -> tuple[LockHolder | None, str, str]:
+    def _wait_stale(
+        self, current: LockHolder | None, mtime: float, version: str
+    ) -> tuple[LockHolder | None, str, str] | None:
         """Wait (at most the lease's time to live) until the lease is known stale, and say why (with the
-        version that was judged stale); raise WriterLockedError as soon as it is renewed, i.e. its writer
-        lives.
+        version that was judged stale); None if it was released meanwhile; raise WriterLockedError as soon
+        as it is renewed, i.e. its writer lives.
 
         Waiting instead of refusing at once lets a job restarted on another node right after its
         predecessor died take the root over, while a live writer is still refused within a third of the
@@ -177,7 +204,7 @@ class Lease:
             time.sleep(min(ttl + 1.5 - age, max(0.2, ttl / 6)))
             found = self._current()
             if found is None:
-                return current, "released while this writer waited", ""
+                return None
             if found[1] != mtime or (found[0] != current):
                 raise refused(self.uri, found[0], ", renewing its lease")
             current, mtime, version = found
@@ -197,7 +224,7 @@ class Lease:
                     log.warning("tiersave: lost the writer lock of %s: %s", self.uri, self._lost)
                     return
                 self._renewed = time.monotonic()
-            except StorageError as exc:  # retried next beat; lost only once the lease may have expired
+            except TiersaveError as exc:  # retried next beat; lost only once the lease may have expired
                 silent = time.monotonic() - self._renewed
                 log.warning("tiersave: could not renew the writer lock of %s: %s", self.uri, exc)
                 if silent > self.holder.ttl_s:
@@ -221,17 +248,26 @@ class Lease:
                 if now is None or now.token != self.holder.token:  # a successor's lease: left as it is
                     who = now.describe() if now is not None else "nobody (the lease object is gone)"
                     return f"the lease was taken over by {who} as this writer renewed it"
-                renewed = now  # still ours (our own write, retried after its response was lost)
+                if now != renewed:  # ours, not renewed: the beat failed (counted as silence, not as a renewal)
+                    raise StorageError(
+                        "the store refused to renew this writer's own lease (If-Match)", tier=self.uri, key=LOCK_NAME
+                    ) from None
+                # else our own renewal, retried after its response was lost
         else:
             self.storage.put(LOCK_NAME, renewed.to_bytes(), mode="overwrite")
         self.holder = renewed
         return None
 
     def check(self) -> None:
-        """Raise if the lease was lost (taken over, or not renewed within its time to live)."""
-        if self._lost is not None:
+        """Raise if the lease was lost (taken over, or not renewed within its time to live, whether the
+        heartbeat found out or is still waiting on a request)."""
+        lost = self._lost
+        silent = time.monotonic() - self._renewed
+        if lost is None and silent > self.holder.ttl_s:
+            lost = f"it was last renewed {silent:.0f} s ago, past its time to live ({self.holder.ttl_s:.0f} s)"
+        if lost is not None:
             raise WriterLockedError(
-                f"this process no longer holds the writer lock of {self.uri}: {self._lost}; another writer may "
+                f"this process no longer holds the writer lock of {self.uri}: {lost}; another writer may "
                 "be saving there, so this save is refused",
                 uri=self.uri,
             )

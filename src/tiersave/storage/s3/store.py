@@ -176,35 +176,25 @@ class S3Storage:
 
     def put_if_version(self, key: str, data: bytes | memoryview, version: str) -> None:
         """Replace ``key`` only while its ``ETag`` is ``version``: a PUT with ``If-Match`` (S3's conditional
-        write). A store answers 412 when the object changed or is gone (PreconditionFailedError here);
-        409 (a concurrent conditional write in flight) is retried, bounded, and the retry settles it."""
+        write). PreconditionFailedError when the store answers 412 (changed), 404 (deleted) or, once obstore's
+        own retries of it are spent, 409 (another conditional write to the key in flight): in each case
+        nothing of this call was written, and the caller reads the object again."""
         check_key(key)
         view = byte_view(data)
         if not version:
             raise ConfigError(f"conditional put of {key!r}: no version to match (the store sent no ETag)")
         if len(view) > MAX_SINGLE_PUT_BYTES:
             raise ConfigError(f"conditional put of {key!r} is {len(view)} bytes, over S3's 5 GiB single-PUT limit")
-        changed: BaseException | None = None
-        for attempt in range(4):
+        with self._errors("writing (if unchanged)", key):
             try:
-                with self._errors("writing (if unchanged)", key):
-                    try:
-                        obstore.put(self._store, key, view, mode={"e_tag": version}, use_multipart=False)
-                    except (_obx.PreconditionError, _obx.NotFoundError) as exc:  # 412, or no such key
-                        changed = exc
-                if changed is None:
-                    return
-                break
-            except PreconditionFailedError:  # 409 ConditionalRequestConflict (errors.py): retried, bounded
-                if attempt == 3:
-                    raise
-                time.sleep(0.05 * 2**attempt)
-        raise PreconditionFailedError(
-            f"replacing {key!r} on {self.uri}: it is no longer the version read (changed or deleted by another "
-            "writer); nothing was written",
-            tier=self.uri,
-            key=key,
-        ) from changed
+                obstore.put(self._store, key, view, mode={"e_tag": version}, use_multipart=False)
+            except (_obx.PreconditionError, _obx.AlreadyExistsError, _obx.NotFoundError, FileNotFoundError) as exc:
+                raise PreconditionFailedError(
+                    f"replacing {key!r} on {self.uri}: it is no longer the version read (changed or deleted by "
+                    "another writer, or another conditional write was in flight); nothing was written",
+                    tier=self.uri,
+                    key=key,
+                ) from exc
 
     # -- large objects ----------------------------------------------------------------------------
 
