@@ -257,15 +257,18 @@ class StagedWrite:
         copies: list[tuple[int, int, int]] = []  # the large copies, shared out over the copier's threads
         compares: list[tuple[Unit, tuple[int, int, int]]] = []  # where the arena may hold the same bytes already
         inc = self.increment
-        keep_alive = []  # contiguous copies made by source_bytes must outlive the memmoves
+        keep_alive: list[torch.Tensor] = []  # contiguous copies made by source_bytes must outlive the memmoves
         memset, memmove, sources = ctypes.memset, small_memmove, self.sources
         for u in plan.units:
             if u.is_group:
-                # small tensors are copied right here, one after the other: a thread would only add a
-                # GIL hand-off per tensor, and a list of copies a tuple per tensor
                 first, end = u.tensor, u.end
-                memset(arena_ptr + u.global_offset, 0, u.padded)
                 delta = arena_ptr + u.global_offset - u.file_offset
+                if u.padded >= _THREADED_MEMBER_BYTES * (end - first):
+                    _group_copies(u, delta, plan, addresses, sources, copies, keep_alive)
+                    continue
+                # tiny tensors are copied right here, one after the other: a thread would only add a
+                # GIL hand-off per tensor, and a list of copies a tuple per tensor
+                memset(arena_ptr + u.global_offset, 0, u.padded)
                 for i in copy_small(delta, offsets[first:end], addresses[first:end], nbytes[first:end]):
                     src = source_bytes(sources[first + i])
                     keep_alive.append(src)
@@ -455,6 +458,45 @@ class StagedWrite:
 
 class _Aborted(Exception):
     pass
+
+
+_THREADED_MEMBER_BYTES = 64 << 10
+"""A group whose tensors average at least this many bytes is staged by the copier's threads with the large
+copies, only the gaps between its tensors zeroed: copied inline on the caller's thread, the groups of a GPT-like
+3 GB state (91 MB in 201 groups of norms, biases and small projections) added 8-12 ms to every ``save_async``
+stall, 5% of it. Groups of tinier tensors (an MoE state's thousands of experts) stay inline, where a hand-off
+per tensor would cost more than its copy."""
+
+
+def _group_copies(
+    u: Unit,
+    delta: int,
+    plan: SavePlan,
+    addresses: list[int | None],
+    sources: Sequence[Any],
+    copies: list[tuple[int, int, int]],
+    keep_alive: list[torch.Tensor],
+) -> None:
+    """Add the copies of group ``u``'s tensors to ``copies`` (file offset + ``delta`` is the arena address)
+    and zero the rest of its span now: the gaps between them and the tail (the format's zero padding). The
+    zeroing runs before any copy, so whatever it covers of a tensor is overwritten by the copy after it."""
+    offsets, nbytes = plan.offsets, plan.nbytes
+    pos, stop = u.file_offset, u.file_offset + u.padded
+    for i in range(u.tensor, u.end):
+        offset, n = offsets[i], nbytes[i]
+        if not n:
+            continue
+        if offset > pos:
+            ctypes.memset(delta + pos, 0, offset - pos)
+        addr = addresses[i]
+        if addr is None:
+            src = source_bytes(sources[i])
+            keep_alive.append(src)  # a contiguous copy must outlive the memmove
+            addr = src.data_ptr()
+        copies.append((delta + offset, addr, n))
+        pos = max(pos, offset + n)
+    if stop > pos:
+        ctypes.memset(delta + pos, 0, stop - pos)
 
 
 class _Runs:
