@@ -1,0 +1,35 @@
+"""benchmarks/stall_vs_dlrover.py: a tiny run pairs tiersave's save_async stall with DLRover's copy each round,
+prints the ratio docs/benchmarks.md quotes, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from helpers import run_benchmark
+
+
+def test_tiny_run_pairs_both_stalls_every_round(tmp_path: Path) -> None:
+    out, d = tmp_path / "run.json", tmp_path / "d"
+    done = run_benchmark(
+        "stall_vs_dlrover.py", "--dir", str(d), "--gb", "0.02", "--rounds", "3", "--no-drop-caches",
+        "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert len(data["rounds"]) == 3
+    assert all(0 < r["stage"] <= r["tiersave"] and r["dlrover"] > 0 for r in data["rounds"])
+    ratios = [r["dlrover"] / r["tiersave"] for r in data["rounds"]]
+    assert data["dlrover_over_tiersave"] == pytest.approx(statistics.median(ratios))
+    assert "dlrover/tiersave, median of the rounds" in done.stdout
+    assert not d.exists()
+
+
+def test_refuses_a_directory_with_files(tmp_path: Path) -> None:
+    (tmp_path / "keep").write_text("x")
+    done = run_benchmark("stall_vs_dlrover.py", "--dir", str(tmp_path), "--gb", "0.01", timeout=60)
+    assert done.returncode == 2 and "give a new or empty directory" in done.stderr
+    assert (tmp_path / "keep").exists()
