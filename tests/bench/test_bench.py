@@ -118,6 +118,33 @@ def test_round_order_puts_each_contender_after_every_other_equally_often(n: int)
     assert round_order([], 3) == []
 
 
+def test_rounds_are_separated_by_an_untimed_eviction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last contender of a round must not always precede the same first contender of the next: between
+    rounds the run evicts and pauses, untimed, so the first of a round follows no contender."""
+    import tiersave.bench.runner as runner
+    from tiersave.bench import BenchConfig
+
+    calls: list[str] = []
+    evict = runner.evict
+    monkeypatch.setattr(runner, "evict", lambda paths, **kw: calls.append("evict") or evict(paths, **kw))
+    real_order = runner.round_order
+    monkeypatch.setattr(runner, "round_order", lambda items, rnd: calls.append("round") or real_order(items, rnd))
+    from tiersave.bench.methods import TiersaveMethod
+
+    for name in ("save", "load"):
+        timed = getattr(TiersaveMethod, name)
+        monkeypatch.setattr(TiersaveMethod, name, lambda self, *a, _f=timed, _n=name: calls.append(_n) or _f(self, *a))
+    config = BenchConfig(
+        directory=tmp_path / "b", size_bytes=2_000_000, checkpoints=2, warmup=1, io_modes=("direct",),
+        peers=(), raw=False, drop_caches=False,
+    )  # fmt: skip
+    runner.run_bench(config)
+    rounds = [i for i, c in enumerate(calls) if c == "round"]
+    assert len(rounds) == 3 and calls.count("save") == 3 and calls.count("load") == 6
+    for i in rounds[1:]:  # after the last load of a round, an eviction of its own, then the next round
+        assert calls[i - 2 : i + 3] == ["load", "evict", "round", "evict", "save"]
+
+
 @pytest.mark.parametrize("replicated", [False, True])
 def test_each_rank_builds_its_state_page_aligned_with_aligned_state(replicated: bool) -> None:
     from tiersave.bench.ranks import rank_state

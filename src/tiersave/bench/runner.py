@@ -215,6 +215,15 @@ _STALL_PEERS = ("dcp-async", "memcpy", "dlrover-shm")
 """The peers timed in the second phase, with ``tiersave-async``: the stalls of saves that return early."""
 
 
+_SETTLE_S = 2.0
+_SETTLE_BYTES_PER_S = 1.5e9
+"""Between two rounds the page cache is evicted and the run pauses (2 s for a 3 GB state, less for smaller
+ones), untimed. A Williams design balances which contender follows which inside a round, but the last of one
+round precedes the first of the next, and with rows shifted from one another that pair is always the same
+(measured: ``dcp-async``, whose 3 GB of page cache the next eviction drops, then ``tiersave-async``, once per
+four rounds); with the pause, the first of a round follows no contender."""
+
+
 def design_rows(n: int) -> int:
     """How many rounds one full cycle of :func:`round_order` takes for ``n`` contenders."""
     return n if n % 2 == 0 or n < 2 else 2 * n
@@ -263,9 +272,13 @@ def _phase(
             m.prepare(directory)
         order: list[Any] = ([None] if raw and config.raw else []) + list(methods)
         rounds = config.warmup + config.checkpoints
+        settle_s = min(_SETTLE_S, _nbytes(state) / _SETTLE_BYTES_PER_S)
         for rnd in range(rounds):
             timed = rnd >= config.warmup
             what = f"round {rnd - config.warmup + 1}" if timed else f"warm-up {rnd + 1}"
+            if rnd:  # the round's first contender follows no other (see _SETTLE_S)
+                evict([directory], drop_caches=config.drop_caches)
+                time.sleep(settle_s)
             for item in round_order(order, rnd - config.warmup):  # the timed rounds start the design
                 if item is None:
                     tick(f"{what}: raw device write and read")
