@@ -346,6 +346,25 @@ def test_s3_a_store_without_if_match_is_renewed_by_overwrite_with_a_warning(s3_r
     lease.release()
     assert list(storage.list()) == []
 
+    from tiersave.errors import TransientStorageError
+
+    def not_implemented(key: str, data: Any, version: str) -> None:  # 501 maps to a transient error
+        raise TransientStorageError("writing failed: HTTP 501 NotImplemented", tier=storage.uri, key=key)
+
+    monkeypatch.setattr(storage, "put_if_version", not_implemented)
+    lease = Lease(storage, ttl_s=2)
+    assert not lease.conditional
+    lease.release()
+
+    def times_out(key: str, data: Any, version: str) -> None:
+        raise TransientStorageError("writing failed: operation timed out", tier=storage.uri, key=key)
+
+    # no evidence about If-Match: the lock is not weakened for good, the error goes to the caller
+    monkeypatch.setattr(storage, "put_if_version", times_out)
+    with pytest.raises(TransientStorageError, match="timed out"):
+        Lease(storage, ttl_s=2)
+    assert list(storage.list()) == []  # neither a lease nor the probe's scratch object
+
 
 def test_s3_a_lease_released_and_taken_while_a_successor_waits_is_not_deleted(s3_root, monkeypatch):
     _, storage = s3_root

@@ -25,7 +25,8 @@ its time to live (``TIERSAVE_LEASE_TTL_S``, default 60 s):
 - **Stores without If-Match**: not every S3-compatible store honours it. Before touching the lease, a
   writer probes on a scratch object of its own (``tiersave-writer.lock.probe-TOKEN``, deleted at once):
   a conditional write naming its version must be accepted, and one naming a version it does not have
-  refused. Where the store fails either, a warning says so, renewals read back and overwrite, and a
+  refused (a timeout or a busy store is no evidence: the error goes to the caller). Where the store
+  fails either, a warning says so, renewals read back and overwrite, and a
   takeover deletes the stale lease and creates it anew (create-only): a successor's lease written
   between two such requests is lost, and that successor finds another writer's lease at its own next
   heartbeat and is the one refused.
@@ -50,6 +51,7 @@ from ...errors import (
     PreconditionFailedError,
     StorageError,
     TiersaveError,
+    TransientStorageError,
     WriterLockedError,
 )
 from ...knobs import int_env
@@ -93,8 +95,8 @@ class Lease:
         self._versioned = storage if isinstance(storage, ConditionalUpdate) else None
         self.conditional = self._probe_if_match()
         """Whether renewals and takeovers replace only the version read (the store honours ``If-Match``)."""
+        self._renewed = time.monotonic()  # when the lease was last written, taken as the request was sent
         self._take()
-        self._renewed = time.monotonic()
         self._thread = threading.Thread(target=self._heartbeat, name="tiersave-lease", daemon=True)
         self._thread.start()
 
@@ -102,6 +104,7 @@ class Lease:
         deleted: tuple[LockHolder, str] | None = None  # the stale lease deleted for the next create (no If-Match)
         for _ in range(3):  # bounded: each round takes the lease, refuses, or replaces a stale one
             try:
+                self._renewed = time.monotonic()
                 self.storage.put(LOCK_NAME, self.holder.to_bytes(), mode="create")
                 if deleted is not None:
                     self.note = taken_over_note(self.uri, *deleted)
@@ -117,6 +120,7 @@ class Lease:
             if stale is None:
                 continue  # released while this writer waited: create it (never delete what is there now)
             current, why, version = stale
+            self._renewed = time.monotonic()
             if self._replace_stale(version):
                 if current is not None:
                     self.note = taken_over_note(self.uri, current, why)
@@ -174,6 +178,10 @@ class Lease:
                     self.storage.delete(key)
                 except StorageError as exc:
                     log.warning("tiersave: could not delete the scratch object %s of %s: %s", key, self.uri, exc)
+        except TransientStorageError as exc:
+            if "501" not in str(exc) and "NotImplemented" not in str(exc):
+                raise  # no evidence about If-Match: a timeout or a busy store must not weaken the lock for good
+            why = f"refuses conditional writes (If-Match: {exc})"
         except (StorageError, ConfigError) as exc:
             why = f"refuses conditional writes (If-Match: {exc})"
         log.warning(
@@ -219,11 +227,12 @@ class Lease:
         interval = self.holder.ttl_s / 3
         while not self._stop.wait(interval):
             try:
+                sent = time.monotonic()  # the store's Last-Modified is no earlier than this
                 self._lost = self._renew()
                 if self._lost is not None:
                     log.warning("tiersave: lost the writer lock of %s: %s", self.uri, self._lost)
                     return
-                self._renewed = time.monotonic()
+                self._renewed = sent
             except TiersaveError as exc:  # retried next beat; lost only once the lease may have expired
                 silent = time.monotonic() - self._renewed
                 log.warning("tiersave: could not renew the writer lock of %s: %s", self.uri, exc)
