@@ -148,9 +148,7 @@ def main() -> None:
         return
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
-    refuse_unless_empty(ap, args.dir)  # and it is removed at the end
-    if args.json is not None and args.dir.resolve() in args.json.resolve().parents:
-        ap.error("--json must lie outside --dir, which is removed at the end")
+    refuse_unless_empty(ap, args.dir, args.json)  # and it is removed at the end
     args.dir.mkdir(parents=True, exist_ok=True)
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}, "
           f"--gb {args.gb} --rounds {args.rounds}, directory {args.dir}", flush=True)  # fmt: skip

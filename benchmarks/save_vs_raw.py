@@ -37,11 +37,14 @@ from tiersave.storage.posix.directio import open_direct
 RAW_BLOCK = 16 << 20
 
 
-def refuse_unless_empty(ap: argparse.ArgumentParser, directory: Path) -> None:
+def refuse_unless_empty(ap: argparse.ArgumentParser, directory: Path, output: Path | None = None) -> None:
     """Exit with a usage error unless ``directory`` is new or an empty directory (not a link): the benchmarks
-    remove what they write there."""
+    remove what they write there. With ``output`` (a benchmark that removes ``directory`` whole), also unless
+    that file lies outside it."""
     if directory.is_symlink() or (directory.exists() and (not directory.is_dir() or any(directory.iterdir()))):
         ap.error(f"--dir {directory}: give a new or empty directory, not a link (what it writes there is removed)")
+    if output is not None and directory.resolve() in output.resolve().parents:
+        ap.error("--json must lie outside --dir, which is removed at the end")
 
 
 def write_raw(path: Path, nbytes: int, block: memoryview) -> float:

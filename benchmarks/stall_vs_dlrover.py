@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.gb <= 0 or args.rounds < 1:
         ap.error("--gb must be positive and --rounds at least 1")
-    refuse_unless_empty(ap, args.dir)
+    refuse_unless_empty(ap, args.dir, args.json)  # and it is removed at the end
     args.dir.mkdir(parents=True, exist_ok=True)
     state = build_state(gpt_like_spec("llama3-8b", int(args.gb * 1e9)), seed=0)
     cal = calibration_for(args.dir, filesystem_type(args.dir), refresh=False)

@@ -199,3 +199,16 @@ def run_benchmark(
         timeout=timeout,
         check=False,
     )
+
+
+def assert_refuses_a_busy_dir(script: str, tmp_path: Path, *args: str) -> None:
+    """``script`` (a benchmark that removes its ``--dir`` at the end) refuses a directory holding a user's file,
+    and a ``--json`` inside ``--dir``, touching neither."""
+    (tmp_path / "keep.txt").write_text("a user's file")
+    done = run_benchmark(script, "--dir", str(tmp_path), *args, timeout=60)
+    assert done.returncode == 2 and "give a new or empty directory" in done.stderr
+    assert (tmp_path / "keep.txt").read_text() == "a user's file"
+    new = tmp_path / "new"
+    done = run_benchmark(script, "--dir", str(new), *args, "--json", str(new / "r.json"), timeout=60)
+    assert done.returncode == 2 and "--json must lie outside --dir" in done.stderr
+    assert not new.exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_benchmark
+from helpers import assert_refuses_a_busy_dir, run_benchmark
 
 
 def test_tiny_run_measures_every_method_in_fresh_processes(tmp_path: Path) -> None:
@@ -38,11 +38,4 @@ def test_tiny_run_measures_every_method_in_fresh_processes(tmp_path: Path) -> No
 
 
 def test_refuses_a_directory_with_files_and_results_inside_the_directory(tmp_path: Path) -> None:
-    (tmp_path / "keep.txt").write_text("a user's file")
-    done = run_benchmark("restore_fresh.py", "--dir", str(tmp_path), "--gb", "0.01", timeout=60)
-    assert done.returncode == 2 and "give a new or empty directory" in done.stderr
-    assert (tmp_path / "keep.txt").read_text() == "a user's file"
-    new = tmp_path / "new"
-    done = run_benchmark("restore_fresh.py", "--dir", str(new), "--json", str(new / "r.json"), timeout=60)
-    assert done.returncode == 2 and "--json must lie outside --dir" in done.stderr
-    assert not new.exists()
+    assert_refuses_a_busy_dir("restore_fresh.py", tmp_path, "--gb", "0.01")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_benchmark
+from helpers import assert_refuses_a_busy_dir, run_benchmark
 
 
 def test_tiny_run_pairs_both_stalls_every_round(tmp_path: Path) -> None:
@@ -28,8 +28,5 @@ def test_tiny_run_pairs_both_stalls_every_round(tmp_path: Path) -> None:
     assert not d.exists()
 
 
-def test_refuses_a_directory_with_files(tmp_path: Path) -> None:
-    (tmp_path / "keep").write_text("x")
-    done = run_benchmark("stall_vs_dlrover.py", "--dir", str(tmp_path), "--gb", "0.01", timeout=60)
-    assert done.returncode == 2 and "give a new or empty directory" in done.stderr
-    assert (tmp_path / "keep").exists()
+def test_refuses_a_directory_with_files_and_results_inside_the_directory(tmp_path: Path) -> None:
+    assert_refuses_a_busy_dir("stall_vs_dlrover.py", tmp_path, "--gb", "0.01")

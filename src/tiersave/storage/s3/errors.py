@@ -51,8 +51,8 @@ def error_summary(text: str) -> str:
 
 
 def _is_transient(exc: BaseException, status: int | None, lowered: str) -> bool:
-    if status is not None:
-        return status >= 500 or status in (408, 429)
+    if status is not None:  # 501 Not Implemented: the store lacks the feature, asking again will not help
+        return (status >= 500 and status != 501) or status in (408, 429)
     return isinstance(exc, (ConnectionError, TimeoutError)) or any(w in lowered for w in _NETWORK_WORDS)
 
 

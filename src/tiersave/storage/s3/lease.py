@@ -178,11 +178,9 @@ class Lease:
                     self.storage.delete(key)
                 except StorageError as exc:
                     log.warning("tiersave: could not delete the scratch object %s of %s: %s", key, self.uri, exc)
-        except TransientStorageError as exc:
-            if "501" not in str(exc) and "NotImplemented" not in str(exc):
-                raise  # no evidence about If-Match: a timeout or a busy store must not weaken the lock for good
-            why = f"refuses conditional writes (If-Match: {exc})"
-        except (StorageError, ConfigError) as exc:
+        except TransientStorageError:
+            raise  # no evidence about If-Match: a timeout or a busy store must not weaken the lock for good
+        except (StorageError, ConfigError) as exc:  # 400, 501 (errors.py: not transient), no ETag
             why = f"refuses conditional writes (If-Match: {exc})"
         log.warning(
             "tiersave: %s %s: the writer lock's lease is renewed by reading it back and overwriting it, and taken "
@@ -218,10 +216,8 @@ class Lease:
             current, mtime, version = found
 
     def _read_back(self) -> LockHolder | None:
-        try:
-            return LockHolder.parse(self.storage.get(LOCK_NAME, max_bytes=MAX_LOCK_BYTES))
-        except ObjectNotFoundError:
-            return None
+        found = self._current()
+        return found[0] if found is not None else None
 
     def _heartbeat(self) -> None:
         interval = self.holder.ttl_s / 3
@@ -242,13 +238,11 @@ class Lease:
 
     def _renew(self) -> str | None:
         """Renew the lease if it is still this writer's; else say who has it."""
-        found = self._current()
-        current = found[0] if found is not None else None
+        current, _, version = self._current() or (None, 0.0, "")
         if current is None or current.token != self.holder.token:
             who = current.describe() if current is not None else "nobody (the lease object is gone)"
             return f"the lease was taken over by {who}"
         renewed = self.holder.renew()
-        version = found[2] if found is not None else ""
         if self.conditional and version and self._versioned is not None:
             try:
                 self._versioned.put_if_version(LOCK_NAME, renewed.to_bytes(), version)
