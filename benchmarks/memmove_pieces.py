@@ -7,7 +7,9 @@ stores above. A staging copy of 1-64 MiB units takes the vector loop. This times
 - one thread: one ``memmove`` per copy of ``--mb`` MiB against the same bytes in pieces of several sizes;
 - the copier's threads (``HostCopier.copy_many``, as a ``save_async`` of host tensors stages): whole copies of
   the GPT-like state's tensors against the same copies cut into ``--piece-kib`` pieces, and torch's own
-  ``Tensor.copy_`` of every tensor (its OpenMP threads; what DLRover's memory save does).
+  ``Tensor.copy_`` of every tensor (its OpenMP threads; what DLRover's memory save does), and the copier's
+  split before 2026-11-24: the copies dealt out in halves of equal bytes, one per thread (``equal halves``),
+  against the queue of 8 MiB pieces its threads now share.
 
 Rounds interleaved, order rotated; medians with ranges::
 
@@ -26,7 +28,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from tiersave.bench.workload import build_state, empty_like_state, gpt_like_spec
-from tiersave.engine.stage import HostCopier
+from tiersave.engine.pool import DaemonThreadPool
+from tiersave.engine.stage import HostCopier, _balanced
 
 
 def _pieces(copies: list[tuple[int, int, int]], piece: int) -> list[tuple[int, int, int]]:
@@ -80,9 +83,21 @@ def main() -> None:
     copies = [(d.data_ptr(), s.data_ptr(), s.nbytes) for d, s in zip(into.values(), state.values())]
     cut = _pieces(copies, args.piece_kib << 10)
     copier = HostCopier()
+    helpers = DaemonThreadPool(max(1, copier.threads - 1), "halves")
+
+    groups = _balanced([(d, s, n, i) for i, (d, s, n) in enumerate(copies)], copier.threads)
+    parts = [copier_of([c[:3] for c in g]) for g in groups]
+
+    def halves() -> None:
+        futures = [helpers.submit(part) for part in parts[1:]]
+        parts[0]()
+        for fut in futures:
+            fut.result()
+
     try:
         many: dict[str, Callable[[], object]] = {
             "copy_many, whole tensors": lambda: copier.copy_many(copies),
+            "equal halves, one per thread": halves,
             f"copy_many, {args.piece_kib} KiB pieces": lambda: copier.copy_many(cut),
             "torch copy_ (DLRover-like)": lambda: [d.copy_(s) for d, s in zip(into.values(), state.values())],
         }
@@ -90,6 +105,7 @@ def main() -> None:
         _print(f"the copier's {copier.threads} threads, GPT-like state {gb:.2f} GB", gb, _time(many, args.reps))
     finally:
         copier.close()
+        helpers.shutdown(wait=False)
 
 
 if __name__ == "__main__":

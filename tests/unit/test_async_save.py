@@ -370,6 +370,38 @@ def test_host_copier_splits_and_balances_copies_exactly():
         copier.close()
 
 
+def test_host_copier_lets_the_faster_thread_copy_more(monkeypatch):
+    """copy_many's threads share one queue of pieces: a thread slowed down (a vCPU the host deschedules) copies
+    less instead of holding the caller until it has copied an equal share."""
+    import ctypes
+    import types
+
+    from tiersave.engine import stage
+
+    copied: dict[str, int] = {}
+    caller = threading.current_thread().name
+
+    def memmove(dst, src, n):
+        name = threading.current_thread().name
+        if name != caller:
+            time.sleep(0.05)  # the slow thread
+        copied[name] = copied.get(name, 0) + n
+        return ctypes.memmove(dst, src, n)
+
+    monkeypatch.setattr(stage, "ctypes", types.SimpleNamespace(memmove=memmove))
+    src = torch.randint(0, 256, (96 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    copier = stage.HostCopier(threads=2)
+    try:
+        half = src.numel() // 2
+        copier.copy_many([(dst.data_ptr(), src.data_ptr(), half), (dst.data_ptr() + half, src.data_ptr() + half, half)])
+    finally:
+        copier.close()
+    assert torch.equal(dst, src)
+    assert sum(copied.values()) == src.numel()
+    assert copied[caller] >= 0.75 * src.numel(), copied  # equal halves would be 0.5
+
+
 def test_host_copier_checksums_what_it_copies_whole_and_split_over_threads():
     import crc32c
 

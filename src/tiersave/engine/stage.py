@@ -231,16 +231,22 @@ class HostCopier:
         return crc
 
     def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
-        """Run many ``(dst, src, nbytes)`` copies, balanced by bytes over the threads (a large copy may be
-        split between two threads)."""
+        """Run many ``(dst, src, nbytes)`` copies over the threads, cut into pieces of at most ``_SHARE``
+        bytes that each thread takes in turn from one queue until none is left.
+
+        Shared, not dealt out in equal halves: on a virtual machine one of two threads often copies at half
+        the other's speed for a whole save (measured on the bench's 3 GB state: 146 against 278 ms, and 284
+        against 164, for halves of equal bytes), and the caller waited for the slower; from a queue the faster
+        thread copies more and both finish within a piece of each other."""
         total = sum(n for _, _, n in copies)
         if self._pool is None or total < 2 * self._PIECE:
             for dst, src, n in copies:
                 ctypes.memmove(dst, src, n)
             return
-        groups = _balanced([(dst, src, n, i) for i, (dst, src, n) in enumerate(copies)], self.threads)
-        futures = [self._pool.submit(_memmove_all, g) for g in groups[1:]]
-        _memmove_all(groups[0])
+        share = _SHARE
+        work = deque((d + o, s + o, min(share, n - o)) for d, s, n in copies for o in range(0, n, share))
+        futures = [self._pool.submit(_memmove_from, work) for _ in range(self.threads - 1)]
+        _memmove_from(work)
         for fut in futures:
             fut.result()
 
@@ -308,8 +314,18 @@ def copy_small(base: int, offsets: list[int], addresses: list[int | None], nbyte
     return rest
 
 
-def _memmove_all(copies: list[tuple[int, int, int, int]]) -> None:
-    for dst, src, n, _ in copies:
+_SHARE = 8 << 20
+"""The piece :meth:`HostCopier.copy_many` hands out: half a millisecond of copying here, so the threads end
+within about that of each other, for a GIL hand-off and a ``memmove`` call per 8 MiB."""
+
+
+def _memmove_from(work: deque[tuple[int, int, int]]) -> None:
+    """A copier thread: take ``(dst, src, nbytes)`` copies from ``work`` and run them until none is left."""
+    while True:
+        try:
+            dst, src, n = work.popleft()
+        except IndexError:
+            return
         ctypes.memmove(dst, src, n)
 
 
