@@ -5,11 +5,11 @@ glibc's ``memcpy`` picks its method by size (``ld.so --list-diagnostics``: ``rep
 stores above. A staging copy of 1-64 MiB units takes the vector loop. This times, into a warm buffer:
 
 - one thread: one ``memmove`` per copy of ``--mb`` MiB against the same bytes in pieces of several sizes;
-- the copier's threads (``HostCopier.copy_many``, as a ``save_async`` of host tensors stages): whole copies of
-  the GPT-like state's tensors against the same copies cut into ``--piece-kib`` pieces, and torch's own
-  ``Tensor.copy_`` of every tensor (its OpenMP threads; what DLRover's memory save does), and the copier's
-  split before 2026-11-24: the copies dealt out in halves of equal bytes, one per thread (``equal halves``),
-  against the queue of 8 MiB pieces its threads now share.
+- the copier's threads (``HostCopier.copy_many``, as a ``save_async`` of host tensors stages; it cuts the
+  copies into a queue of 8 MiB pieces its threads share): the GPT-like state's tensors, the same copies cut
+  into ``--piece-kib`` pieces first, the copier's split before 2026-11-24 (the copies dealt out in halves of
+  equal bytes, one per thread: ``equal halves``), and torch's own ``Tensor.copy_`` of every tensor (its
+  OpenMP threads; what DLRover's memory save does).
 
 Rounds interleaved, order rotated; medians with ranges::
 
@@ -96,7 +96,7 @@ def main() -> None:
 
     try:
         many: dict[str, Callable[[], object]] = {
-            "copy_many, whole tensors": lambda: copier.copy_many(copies),
+            "copy_many (shared 8 MiB pieces)": lambda: copier.copy_many(copies),
             "equal halves, one per thread": halves,
             f"copy_many, {args.piece_kib} KiB pieces": lambda: copier.copy_many(cut),
             "torch copy_ (DLRover-like)": lambda: [d.copy_(s) for d, s in zip(into.values(), state.values())],

@@ -383,8 +383,8 @@ def test_host_copier_lets_the_faster_thread_copy_more(monkeypatch):
 
     def memmove(dst, src, n):
         name = threading.current_thread().name
-        if name != caller:
-            time.sleep(0.05)  # the slow thread
+        if name != caller and name not in copied:
+            time.sleep(0.5)  # the slow thread: its first piece outlasts the caller's whole share
         copied[name] = copied.get(name, 0) + n
         return ctypes.memmove(dst, src, n)
 
@@ -468,9 +468,11 @@ def test_an_async_save_hands_its_writes_to_one_task_per_writer_thread(tmp_path):
             return real(fn, *args, **kwargs)
 
         ck._pool.submit = counting
-        handle = ck.save_async(1, state)
-        assert len(submitted) == 3
-        gate.set()
+        try:
+            handle = ck.save_async(1, state)
+            assert len(submitted) == 3
+        finally:
+            gate.set()  # else a failure above would leave the writes waiting on the gate
         handle.result(timeout=60)
         assert storage.ops["write_at"] == 48
         assert_same(ck.restore(1), state)
@@ -479,7 +481,10 @@ def test_an_async_save_hands_its_writes_to_one_task_per_writer_thread(tmp_path):
 def test_a_failed_write_stops_the_other_writes_of_an_async_save(tmp_path):
     """Once one write of a save fails, the save is lost: the lanes stop taking writes (at most the one each
     other lane is in) instead of writing the rest for nothing, and nothing becomes visible."""
-    storage = FaultyStorage(LocalStorage(tmp_path, io="buffered"), [Fault("write_at", nth=2)])
+    # each write takes 20 ms, so the failed lane empties the queue long before the other lane takes its next
+    storage = FaultyStorage(
+        LocalStorage(tmp_path, io="buffered"), [Fault("write_at", nth=2)], delays={"write_at": 0.02}
+    )
     with tiersave.Checkpointer(storage, io_threads=2, chunk_bytes=128 << 10, event_log=False) as ck:
         handle = ck.save_async(1, _chunked_state())
         with pytest.raises(StorageError, match="injected"):
