@@ -29,11 +29,28 @@ import torch
 
 from tiersave.bench.workload import build_state, empty_like_state, gpt_like_spec
 from tiersave.engine.pool import DaemonThreadPool
-from tiersave.engine.stage import HostCopier, _balanced
+from tiersave.engine.stage import HostCopier
 
 
 def _pieces(copies: list[tuple[int, int, int]], piece: int) -> list[tuple[int, int, int]]:
     return [(d + o, s + o, min(piece, n - o)) for d, s, n in copies for o in range(0, n, piece)]
+
+
+def _halves(copies: list[tuple[int, int, int]], threads: int) -> list[list[tuple[int, int, int]]]:
+    """The copier's split before 2026-11-24: ``copies`` cut into ``threads`` groups of equal bytes (a copy may
+    be split between two groups)."""
+    share = -(-sum(c[2] for c in copies) // threads)
+    groups: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for dst, src, n in copies:
+        while n:
+            take = min(n, room)
+            groups[-1].append((dst, src, take))
+            dst, src, n, room = dst + take, src + take, n - take, room - take
+            if room == 0:
+                groups.append([])
+                room = share
+    return [g for g in groups if g]
 
 
 def _time(methods: Mapping[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
@@ -85,8 +102,7 @@ def main() -> None:
     copier = HostCopier()
     helpers = DaemonThreadPool(max(1, copier.threads - 1), "halves")
 
-    groups = _balanced([(d, s, n, i) for i, (d, s, n) in enumerate(copies)], copier.threads)
-    parts = [copier_of([c[:3] for c in g]) for g in groups]
+    parts = [copier_of(g) for g in _halves(copies, copier.threads)]
 
     def halves() -> None:
         futures = [helpers.submit(part) for part in parts[1:]]

@@ -258,11 +258,14 @@ class HostCopier:
         if _memcmp is None:  # no C library to call: plain copies, nothing known to be equal
             self.copy_many(copies)
             return [False] * len(copies)
-        items = [(dst, src, n, i) for i, (dst, src, n) in enumerate(copies)]
         total = sum(n for _, _, n in copies)
-        groups = [items] if self._pool is None or total < 2 * self._PIECE else _balanced(items, self.threads)
-        futures = [self._pool.submit(_copy_changed_all, g) for g in groups[1:]] if self._pool is not None else []
-        changed = _copy_changed_all(groups[0])
+        lanes = self.threads if self._pool is not None and total >= 2 * self._PIECE else 1
+        share = _SHARE  # a shared queue of pieces, as copy_many's
+        work = deque(
+            (d + o, s + o, min(share, n - o), i) for i, (d, s, n) in enumerate(copies) for o in range(0, n, share)
+        )
+        futures = [self._pool.submit(_copy_changed_from, work) for _ in range(lanes - 1)]  # type: ignore[union-attr]
+        changed = _copy_changed_from(work)
         for fut in futures:
             changed |= fut.result()
         return [i not in changed for i in range(len(copies))]
@@ -329,23 +332,6 @@ def _memmove_from(work: deque[tuple[int, int, int]]) -> None:
         ctypes.memmove(dst, src, n)
 
 
-def _balanced(copies: list[tuple[int, int, int, int]], threads: int) -> list[list[tuple[int, int, int, int]]]:
-    """``(dst, src, nbytes, index)`` copies cut into ``threads`` groups of about equal bytes (a copy may be
-    split between two groups; both parts keep its index)."""
-    share = -(-sum(c[2] for c in copies) // threads)
-    groups: list[list[tuple[int, int, int, int]]] = [[]]
-    room = share
-    for dst, src, n, index in copies:
-        while n:
-            take = min(n, room)
-            groups[-1].append((dst, src, take, index))
-            dst, src, n, room = dst + take, src + take, n - take, room - take
-            if room == 0:
-                groups.append([])
-                room = share
-    return [g for g in groups if g]
-
-
 def _libc_memcmp() -> Any:
     """``memcmp`` of the C library, called without the GIL (None where it cannot be opened)."""
     try:
@@ -361,17 +347,21 @@ _memcmp = _libc_memcmp()
 _COMPARE_PIECE = 1 << 20  # a change copies only its MiB; the call per MiB costs a microsecond or two
 
 
-def _copy_changed_all(copies: list[tuple[int, int, int, int]]) -> set[int]:
-    """Copy the pieces of each copy that differ; the indices of the copies that had any."""
+def _copy_changed_from(work: deque[tuple[int, int, int, int]]) -> set[int]:
+    """A copier thread: take ``(dst, src, nbytes, index)`` copies from ``work`` until none is left and copy the
+    pieces of each that differ; the indices of the copies that had any."""
     changed: set[int] = set()
     memcmp, memmove, step = _memcmp, ctypes.memmove, _COMPARE_PIECE
-    for dst, src, n, index in copies:
+    while True:
+        try:
+            dst, src, n, index = work.popleft()
+        except IndexError:
+            return changed
         for off in range(0, n, step):
             take = min(step, n - off)
             if memcmp(dst + off, src + off, take):
                 memmove(dst + off, src + off, take)
                 changed.add(index)
-    return changed
 
 
 def source_bytes(source: torch.Tensor | np.ndarray) -> torch.Tensor:
