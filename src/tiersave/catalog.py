@@ -223,12 +223,14 @@ class OpenCheckpoint:
         )
 
     def close(self) -> None:
-        with self._lock:
-            for reader in self._readers.values():
-                reader.close()
-            self._readers.clear()
-        if self.lease is not None:
-            self.lease.release()
+        try:
+            with self._lock:
+                readers, self._readers = list(self._readers.values()), {}
+                for reader in readers:
+                    reader.close()
+        finally:  # a reader that fails to close must not leave the step leased (renewed) for good
+            if self.lease is not None:
+                self.lease.release()
 
     def __enter__(self) -> OpenCheckpoint:
         return self

@@ -352,3 +352,21 @@ def test_a_forked_child_never_removes_its_parents_lease(root):
         assert [name for name in lease_files(root) if name.startswith("step-0000000001/read-")]
         assert prune(root) == []
     assert prune(root) == [1]
+
+
+def test_a_reader_that_fails_to_close_still_releases_the_lease(root):
+    """Closing an opened checkpoint releases its read lease even when closing a shard reader fails: otherwise the
+    renewal thread would keep the step leased, and retention would never delete it, for the process's life."""
+    saved(root, range(1, 3))
+    catalog = Catalog(LocalStorage(root))
+    ckpt = catalog.open(1)
+    reader = ckpt.reader(0)
+
+    def broken() -> None:
+        raise OSError(errno.EIO, "close failed")
+
+    reader.close = broken
+    with pytest.raises(OSError, match="close failed"):
+        ckpt.close()
+    assert catalog.leases.leased() == {}
+    assert prune(root) == [1]
