@@ -29,6 +29,7 @@ from .collective import global_manifest, rank_part
 from .commit import CommitStrategy, check_shards_visible
 from .engine.increment import Increment
 from .engine.pipeline import GROUP_BYTES, StagedWrite, Written
+from .engine.pool import DaemonThreadPool
 from .engine.stage import HostCopier, StagingArena, needs_pinned
 from .engine.unstaged import SourceWrite, writes_from_source
 from .errors import ConfigError, DistributedCheckpointError, FormatError, SaveError
@@ -159,7 +160,7 @@ class Saver:
         chunk_bytes: int,
         max_shard_bytes: int | None,
         staging_bytes: int | None,
-        pool: Executor,
+        pool: DaemonThreadPool,
         log_event: Callable[[dict[str, Any]], None],
         group: CoordinationGroup | None = None,
         incremental: Incremental | None = None,

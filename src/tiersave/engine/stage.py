@@ -21,9 +21,10 @@ import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from itertools import repeat
 from operator import add
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -231,24 +232,8 @@ class HostCopier:
         return crc
 
     def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
-        """Run many ``(dst, src, nbytes)`` copies over the threads, cut into pieces of at most ``_SHARE``
-        bytes that each thread takes in turn from one queue until none is left.
-
-        Shared, not dealt out in equal halves: on a virtual machine one of two threads often copies at half
-        the other's speed for a whole save (measured on the bench's 3 GB state: 146 against 278 ms, and 284
-        against 164, for halves of equal bytes), and the caller waited for the slower; from a queue the faster
-        thread copies more and both finish within a piece of each other."""
-        total = sum(n for _, _, n in copies)
-        if self._pool is None or total < 2 * self._PIECE:
-            for dst, src, n in copies:
-                ctypes.memmove(dst, src, n)
-            return
-        share = _SHARE
-        work = deque((d + o, s + o, min(share, n - o)) for d, s, n in copies for o in range(0, n, share))
-        futures = [self._pool.submit(_memmove_from, work) for _ in range(self.threads - 1)]
-        _memmove_from(work)
-        for fut in futures:
-            fut.result()
+        """Run many ``(dst, src, nbytes)`` copies over the threads (:meth:`_share`)."""
+        self._share(_memmove_from, copies)
 
     def copy_changed(self, copies: list[tuple[int, int, int]]) -> list[bool]:
         """Like :meth:`copy_many`, but each destination is first compared with its source (``memcmp``, piece
@@ -258,17 +243,25 @@ class HostCopier:
         if _memcmp is None:  # no C library to call: plain copies, nothing known to be equal
             self.copy_many(copies)
             return [False] * len(copies)
-        total = sum(n for _, _, n in copies)
-        lanes = self.threads if self._pool is not None and total >= 2 * self._PIECE else 1
-        share = _SHARE  # a shared queue of pieces, as copy_many's
+        changed = set().union(*self._share(_copy_changed_from, copies))
+        return [i not in changed for i in range(len(copies))]
+
+    def _share(self, run: Callable[[deque[_Piece]], T], copies: list[tuple[int, int, int]]) -> list[T]:
+        """Cut ``(dst, src, nbytes)`` copies into ``(dst, src, nbytes, index)`` pieces of at most ``_SHARE`` bytes
+        in one queue, and ``run`` it on this thread and on each copier thread (this one alone for less than
+        two ``_PIECE``); returns what each ``run`` returned.
+
+        Shared, not dealt out in equal halves: on a virtual machine one of two threads often copies at half
+        the other's speed for a whole save (measured on the bench's 3 GB state: 146 against 278 ms, and 284
+        against 164, for halves of equal bytes), and the caller waited for the slower; from a queue the faster
+        thread copies more and both finish within a piece of each other."""
+        share = _SHARE
         work = deque(
             (d + o, s + o, min(share, n - o), i) for i, (d, s, n) in enumerate(copies) for o in range(0, n, share)
         )
-        futures = [self._pool.submit(_copy_changed_from, work) for _ in range(lanes - 1)]  # type: ignore[union-attr]
-        changed = _copy_changed_from(work)
-        for fut in futures:
-            changed |= fut.result()
-        return [i not in changed for i in range(len(copies))]
+        pool = self._pool if sum(n for _, _, n in copies) >= 2 * self._PIECE else None
+        futures = [pool.submit(run, work) for _ in range(self.threads - 1)] if pool is not None else []
+        return [run(work), *(fut.result() for fut in futures)]
 
     def close(self) -> None:
         if self._pool is not None:
@@ -322,11 +315,17 @@ _SHARE = 8 << 20
 within about that of each other, for a GIL hand-off and a ``memmove`` call per 8 MiB."""
 
 
-def _memmove_from(work: deque[tuple[int, int, int]]) -> None:
-    """A copier thread: take ``(dst, src, nbytes)`` copies from ``work`` and run them until none is left."""
+_Piece = tuple[int, int, int, int]
+"""``(dst, src, nbytes, index)``: a piece of the copy ``index`` of a :meth:`HostCopier._share`."""
+
+T = TypeVar("T")
+
+
+def _memmove_from(work: deque[_Piece]) -> None:
+    """A copier thread: take pieces from ``work`` and copy them until none is left."""
     while True:
         try:
-            dst, src, n = work.popleft()
+            dst, src, n, _ = work.popleft()
         except IndexError:
             return
         ctypes.memmove(dst, src, n)
@@ -347,9 +346,9 @@ _memcmp = _libc_memcmp()
 _COMPARE_PIECE = 1 << 20  # a change copies only its MiB; the call per MiB costs a microsecond or two
 
 
-def _copy_changed_from(work: deque[tuple[int, int, int, int]]) -> set[int]:
-    """A copier thread: take ``(dst, src, nbytes, index)`` copies from ``work`` until none is left and copy the
-    pieces of each that differ; the indices of the copies that had any."""
+def _copy_changed_from(work: deque[_Piece]) -> set[int]:
+    """A copier thread: take pieces from ``work`` until none is left and copy the parts of each that differ; the
+    indices of the copies that had any."""
     changed: set[int] = set()
     memcmp, memmove, step = _memcmp, ctypes.memmove, _COMPARE_PIECE
     while True:

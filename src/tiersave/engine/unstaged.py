@@ -34,7 +34,7 @@ import ctypes
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor, wait
+from concurrent.futures import wait
 from typing import Any
 
 from ..format.checksum import crc32c_update
@@ -42,6 +42,7 @@ from ..format.jsonsafe import paused_gc
 from ..format.layout import ALIGN
 from ..storage.base import Storage
 from .pipeline import SavePlan, StagedWrite, Unit
+from .pool import DaemonThreadPool
 from .stage import Ring, StagingArena, needs_pinned, small_memmove, source_bytes
 
 PIECE_BYTES = 1 << 20
@@ -119,7 +120,7 @@ class SourceWrite(StagedWrite):
         prefix: str,
         plan: SavePlan,
         sources: Sequence[Any],
-        executor: Executor,
+        executor: DaemonThreadPool,
         addresses: Sequence[int | None] | None = None,
     ) -> None:
         self._scratch = threading.local()  # per writer thread: one group's buffer, one zeroed block
