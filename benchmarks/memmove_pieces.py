@@ -4,12 +4,13 @@ glibc's ``memcpy`` picks its method by size (``ld.so --list-diagnostics``: ``rep
 ``non_temporal_threshold``): ``rep movsb`` below the first, a vector loop up to the second, non-temporal
 stores above. A staging copy of 1-64 MiB units takes the vector loop. This times, into a warm buffer:
 
-- one thread: one ``memmove`` per copy of ``--mb`` MiB against the same bytes in pieces of several sizes;
+- one thread: one ``memmove`` per copy of ``--mb`` MiB against the same bytes in pieces of several sizes, and
+  the streaming copy (non-temporal stores, engine/memcopy.py) in 8 MiB pieces where it was built;
 - the copier's threads (``HostCopier.copy_many``, as a ``save_async`` of host tensors stages; it cuts the
   copies into a queue of 8 MiB pieces its threads share): the GPT-like state's tensors, the same copies cut
   into ``--piece-kib`` pieces first, the copier's split before 2026-11-24 (the copies dealt out in halves of
-  equal bytes, one per thread: ``equal halves``), and torch's own ``Tensor.copy_`` of every tensor (its
-  OpenMP threads; what DLRover's memory save does).
+  equal bytes, one per thread: ``equal halves``), ``copy_many`` with each copy routine, and torch's own
+  ``Tensor.copy_`` of every tensor (its OpenMP threads; what DLRover's memory save does).
 
 Rounds interleaved, order rotated; medians with ranges::
 
@@ -28,8 +29,10 @@ from collections.abc import Callable, Mapping
 import torch
 
 from tiersave.bench.workload import build_state, empty_like_state, gpt_like_spec
+from tiersave.engine.memcopy import large_copy, stream_available
 from tiersave.engine.pool import DaemonThreadPool
 from tiersave.engine.stage import HostCopier
+from tiersave.knobs import override_env
 
 
 def _pieces(copies: list[tuple[int, int, int]], piece: int) -> list[tuple[int, int, int]]:
@@ -91,6 +94,10 @@ def main() -> None:
     single: dict[str, Callable[[], object]] = {"one memmove": copier_of(one)}
     for kib in (64, 256, 512, 1024, 8192):
         single[f"pieces of {kib} KiB"] = copier_of(_pieces(one, kib << 10))
+    if stream_available():
+        with override_env("TIERSAVE_STAGE_COPY", "stream"):
+            stream, name = large_copy()
+        single[f"{name}, pieces of 8192 KiB"] = lambda: [stream(*c) for c in _pieces(one, 8 << 20)]
     _print(f"one thread, {args.mb} MiB", n / 1e9, _time(single, args.reps))
 
     spec = gpt_like_spec(target_bytes=int(args.state_gb * 1e9))
@@ -99,7 +106,9 @@ def main() -> None:
         t.zero_()
     copies = [(d.data_ptr(), s.data_ptr(), s.nbytes) for d, s in zip(into.values(), state.values())]
     cut = _pieces(copies, args.piece_kib << 10)
-    copier = HostCopier()
+    with override_env("TIERSAVE_STAGE_COPY", "memmove"):  # the routine is chosen when a copier is made
+        copier = HostCopier()
+    fast = HostCopier()
     helpers = DaemonThreadPool(max(1, copier.threads - 1), "halves")
 
     parts = [copier_of(g) for g in _halves(copies, copier.threads)]
@@ -115,12 +124,14 @@ def main() -> None:
             "copy_many (shared 8 MiB pieces)": lambda: copier.copy_many(copies),
             "equal halves, one per thread": halves,
             f"copy_many, {args.piece_kib} KiB pieces": lambda: copier.copy_many(cut),
+            **({f"copy_many, {fast.routine}": lambda: fast.copy_many(copies)} if fast.routine != "memmove" else {}),
             "torch copy_ (DLRover-like)": lambda: [d.copy_(s) for d, s in zip(into.values(), state.values())],
         }
         gb = sum(c[2] for c in copies) / 1e9
         _print(f"the copier's {copier.threads} threads, GPT-like state {gb:.2f} GB", gb, _time(many, args.reps))
     finally:
         copier.close()
+        fast.close()
         helpers.shutdown(wait=False)
 
 

@@ -12,6 +12,10 @@ warm-up round first (a job's first save allocates its staging memory).
 Prints per round both stalls and tiersave's staging copy (``stage_s``), then the medians and the median over
 the rounds of DLRover's stall over tiersave's (>= 1.0: tiersave blocks no longer).
 
+``--memmove-too`` adds a third contender, ``tiersave-memmove``: the same ``save_async`` with
+``TIERSAVE_STAGE_COPY=memmove`` (glibc's ``memmove`` instead of the streaming copy), the three rotated each round,
+to time what the streaming copy itself gains in the same process.
+
 Usage::
 
     .venv/bin/python benchmarks/stall_vs_dlrover.py --dir DIR --gb 3 --rounds 8
@@ -29,9 +33,10 @@ from pathlib import Path
 from save_vs_raw import refuse_unless_empty
 
 from tiersave.bench.device import evict
-from tiersave.bench.methods import TiersaveAsyncMethod
+from tiersave.bench.methods import Method, TiersaveAsyncMethod
 from tiersave.bench.references import DLRoverShmMethod, SharedBuffer
 from tiersave.bench.workload import build_state, gpt_like_spec
+from tiersave.knobs import override_env
 from tiersave.storage.posix import filesystem_type
 from tiersave.storage.posix.calibration import calibration_for
 
@@ -43,6 +48,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds (default 8)")
     ap.add_argument("--no-drop-caches", action="store_true", help="evict with fadvise only")
     ap.add_argument("--json", type=Path, help="also write the measurements here")
+    ap.add_argument("--memmove-too", action="store_true", help="also time save_async staging with memmove")
     args = ap.parse_args()
     if args.gb <= 0 or args.rounds < 1:
         ap.error("--gb must be positive and --rounds at least 1")
@@ -50,42 +56,66 @@ def main() -> None:
     args.dir.mkdir(parents=True, exist_ok=True)
     state = build_state(gpt_like_spec("llama3-8b", int(args.gb * 1e9)), seed=0)
     cal = calibration_for(args.dir, filesystem_type(args.dir), refresh=False)
-    ts, dl = TiersaveAsyncMethod(calibration=cal), DLRoverShmMethod(SharedBuffer())
+    contenders: list[tuple[str, Method]] = [
+        ("tiersave", TiersaveAsyncMethod(calibration=cal)),
+        ("dlrover", DLRoverShmMethod(SharedBuffer())),
+    ]
+    if args.memmove_too:
+        contenders.append(("memmove", _memmove_contender(cal)))
     rows: list[dict[str, float]] = []
     try:
-        for m in (ts, dl):
-            m.prepare(args.dir)
+        for name, m in contenders:
+            if name == "memmove":
+                with override_env("TIERSAVE_STAGE_COPY", "memmove"):  # read when its Checkpointer is made
+                    m.prepare(args.dir)
+            else:
+                m.prepare(args.dir)
         for rnd in range(args.rounds + 1):
             row: dict[str, float] = {}
-            for name, m in [("tiersave", ts), ("dlrover", dl)][:: 1 if rnd % 2 else -1]:
+            turn = rnd % len(contenders)
+            for name, m in contenders[turn:] + contenders[:turn]:
                 evict([args.dir], drop_caches=not args.no_drop_caches)
                 timing = m.save(rnd, state)
                 m.remove(rnd)
                 row[name] = timing.blocked_s
-                if name == "tiersave":
-                    row["stage"] = float(timing.stats.get("stage_s", 0.0))
+                if name in ("tiersave", "memmove"):
+                    row[f"{name}_stage"] = float(timing.stats.get("stage_s", 0.0))
             if rnd == 0:
                 continue  # the warm-up: tiersave allocates its staging memory
             row["load"] = os.getloadavg()[0]
             rows.append(row)
+            also = f" memmove {row['memmove'] * 1e3:6.1f} ms" if "memmove" in row else ""
             print(
-                f"round {rnd}: tiersave {row['tiersave'] * 1e3:6.1f} ms (staging copy {row['stage'] * 1e3:6.1f}) "
-                f"dlrover {row['dlrover'] * 1e3:6.1f} ms  load {row['load']:.2f}",
+                f"round {rnd}: tiersave {row['tiersave'] * 1e3:6.1f} ms (staging copy "
+                f"{row['tiersave_stage'] * 1e3:6.1f}) dlrover {row['dlrover'] * 1e3:6.1f} ms{also}  "
+                f"load {row['load']:.2f}",
                 flush=True,
             )
     finally:
-        for m in (ts, dl):
+        for _, m in contenders:
             m.close()
         shutil.rmtree(args.dir, ignore_errors=True)
-    med = {k: statistics.median(r[k] for r in rows) for k in ("tiersave", "dlrover", "stage")}
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "load"}
     ratio = statistics.median(r["dlrover"] / r["tiersave"] for r in rows)
     print(
         f"median: tiersave {med['tiersave'] * 1e3:.1f} ms, dlrover {med['dlrover'] * 1e3:.1f} ms; "
         f"dlrover/tiersave, median of the rounds: {ratio:.2f}x (>= 1.0: tiersave blocks no longer)"
     )
+    if args.memmove_too:
+        gain = statistics.median(r["memmove"] / r["tiersave"] for r in rows)
+        print(
+            f"staging with memmove: {med['memmove'] * 1e3:.1f} ms; memmove/tiersave, median of the rounds: "
+            f"{gain:.2f}x (the streaming copy's gain)"
+        )
     if args.json:
         doc = {"gb": args.gb, "rounds": rows, "median_s": med, "dlrover_over_tiersave": ratio}
         args.json.write_text(json.dumps(doc, indent=1))
+
+
+def _memmove_contender(cal: object) -> TiersaveAsyncMethod:
+    m = TiersaveAsyncMethod(calibration=cal)
+    m.name = m.inner.name = "tiersave-memmove"  # its own directory
+    return m
 
 
 if __name__ == "__main__":

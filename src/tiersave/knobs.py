@@ -19,7 +19,9 @@ _CHUNK_BYTES = "TIERSAVE_CHUNK_BYTES"
 _LEFTOVER_GRACE_S = "TIERSAVE_LEFTOVER_GRACE_S"
 _CONTENT_HASH = "TIERSAVE_CONTENT_HASH"
 _REUSE_LAYOUT = "TIERSAVE_REUSE_LAYOUT"
+_STAGE_COPY = "TIERSAVE_STAGE_COPY"
 CONTENT_HASH_CHOICES = ("auto", "blake3", "sha256")
+STAGE_COPY_CHOICES = ("auto", "stream", "memmove")
 
 
 def int_env(name: str, default: int, lo: int, hi: int) -> int:
@@ -69,6 +71,15 @@ def content_hash() -> str:
     raw = os.environ.get(_CONTENT_HASH) or "auto"
     if raw not in CONTENT_HASH_CHOICES:
         raise ConfigError(f"{_CONTENT_HASH}={raw!r} is not one of {', '.join(CONTENT_HASH_CHOICES)}")
+    return raw
+
+
+def stage_copy() -> str:
+    """How staging copies large host tensors (``TIERSAVE_STAGE_COPY``): ``auto`` (the streaming copy where it was
+    built, else ``memmove``), ``stream`` (the streaming copy; an error where it was not built) or ``memmove``."""
+    raw = os.environ.get(_STAGE_COPY) or "auto"
+    if raw not in STAGE_COPY_CHOICES:
+        raise ConfigError(f"{_STAGE_COPY}={raw!r} is not one of {', '.join(STAGE_COPY_CHOICES)}")
     return raw
 
 

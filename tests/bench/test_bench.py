@@ -17,6 +17,7 @@ import pytest
 from tiersave.bench import TARGETS, BenchConfig, gpt_like_spec, summarize
 from tiersave.bench.report import plot, ratio
 from tiersave.cli import main
+from tiersave.engine.memcopy import large_copy
 from tiersave.errors import BackendUnavailableError, ConfigError
 
 TINY = ["--size", "2MB", "--checkpoints", "1", "--warmup", "0", "--no-drop-caches", "--quiet"]
@@ -213,6 +214,7 @@ def test_tiny_run_with_every_peer_json_and_plot(tmp_path: Path, capsys: pytest.C
     assert summary["main"] == "tiersave-auto"
     assert {t["key"] for t in summary["targets"]} == {key for key, _, _ in TARGETS}
     assert data["calibration"]["key"].endswith(data["machine"]["filesystem"])
+    assert data["machine"]["stage_copy"] == large_copy()[1]  # the routine the async save staged with
     assert data["eviction"] == "fadvise"
     assert not (tmp_path / "b").exists()  # created by the run, removed by it
 
@@ -239,6 +241,7 @@ def test_text_report_and_progress(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert code == 0, err
     assert "method" in out and "tiersave-auto" in out and "torch" in out
     assert "save_vs_torch" in out and "targets:" in out
+    assert f"staging copy: {large_copy()[1]}" in out
     assert "[#" in err and "done" in err  # the progress bar
     assert any((tmp_path / "b" / "tiersave-auto").iterdir())  # --keep
 

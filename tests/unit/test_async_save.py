@@ -374,7 +374,6 @@ def test_host_copier_lets_the_faster_thread_copy_more(monkeypatch):
     """copy_many's threads share one queue of pieces: a thread slowed down (a vCPU the host deschedules) copies
     less instead of holding the caller until it has copied an equal share."""
     import ctypes
-    import types
 
     from tiersave.engine import stage
 
@@ -388,7 +387,7 @@ def test_host_copier_lets_the_faster_thread_copy_more(monkeypatch):
         copied[name] = copied.get(name, 0) + n
         return ctypes.memmove(dst, src, n)
 
-    monkeypatch.setattr(stage, "ctypes", types.SimpleNamespace(memmove=memmove))
+    monkeypatch.setattr(stage, "large_copy", lambda: (memmove, "slowed memmove"))
     src = torch.randint(0, 256, (96 << 20,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     copier = stage.HostCopier(threads=2)

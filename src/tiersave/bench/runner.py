@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
+from ..engine.memcopy import large_copy
 from ..errors import ConfigError
 from ..storage.posix import filesystem_type
 from .config import BenchConfig
@@ -139,6 +140,7 @@ def _machine(directory: Path) -> dict[str, Any]:
         "filesystem": filesystem_type(directory),
         "device": f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}",
         "loadavg_start": _loadavg(),
+        "stage_copy": large_copy()[1],  # the routine save_async stages host tensors with
     }
 
 

@@ -203,7 +203,8 @@ def render_text(data: dict[str, Any]) -> str:
         + ("; every tensor page-aligned (--aligned-state)" if cfg.get("aligned_state") else ""),
         f"directory {cfg['directory']} ({mach['filesystem']} on device {mach['device']}), {mach['cpus']} CPUs, "
         f"kernel {mach['kernel']}, load average {mach.get('loadavg_start')} -> {mach.get('loadavg_end')}; "
-        f"cache eviction: {data['eviction']}",
+        f"cache eviction: {data['eviction']}"
+        + (f"; staging copy: {mach['stage_copy']}" if "stage_copy" in mach else ""),
     ]
     raw = s["raw"]
     if raw:

@@ -22,6 +22,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from itertools import repeat
 from operator import add
 from typing import Any, TypeVar
@@ -32,6 +33,7 @@ import torch
 from ..errors import ConfigError
 from ..format.checksum import copy_checksum, crc32c_combine
 from ..format.layout import ALIGN, align_up
+from .memcopy import CopyFn, large_copy
 
 log = logging.getLogger(__name__)
 
@@ -177,13 +179,14 @@ class Ring:
 
 
 class HostCopier:
-    """Copies host memory with ``memmove`` on a small pool of daemon threads.
+    """Copies host memory on a small pool of daemon threads, with the streaming copy where it was built
+    (engine/memcopy.py: non-temporal stores) and ``memmove`` elsewhere (``routine`` names the one in use).
 
     Staging copies of CPU tensors go through this instead of ``Tensor.copy_``: torch's copy runs on the
     OpenMP pool, whose threads spin-wait between parallel regions and, on a machine with few cores, fight
     the I/O threads that are writing earlier chunks at the same moment (measured here: staging 5-15x
-    slower than a bare copy). ``ctypes.memmove`` releases the GIL, so large copies split across threads
-    run in parallel, and nothing spins.
+    slower than a bare copy). Both copy routines are ctypes calls that release the GIL, so large copies
+    split across threads run in parallel, and nothing spins.
 
     Thread safety: ``copy`` may be called from one thread at a time (the staging thread).
     """
@@ -195,6 +198,7 @@ class HostCopier:
 
         count = threads if threads is not None else min(4, os.cpu_count() or 1)
         self.threads = max(1, count)
+        self._copy, self.routine = large_copy()
         self._pool = DaemonThreadPool(self.threads - 1, "tiersave-stage") if self.threads > 1 else None
 
     def _parts(self, nbytes: int) -> list[tuple[int, int]]:
@@ -210,8 +214,8 @@ class HostCopier:
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """Copy ``nbytes`` from address ``src`` to address ``dst`` (non-overlapping host memory)."""
         (_, first), *rest = self._parts(nbytes)
-        futures = [self._pool.submit(ctypes.memmove, dst + off, src + off, n) for off, n in rest]  # type: ignore[union-attr]
-        ctypes.memmove(dst, src, first)  # the first part on this thread
+        futures = [self._pool.submit(self._copy, dst + off, src + off, n) for off, n in rest]  # type: ignore[union-attr]
+        self._copy(dst, src, first)  # the first part on this thread
         for fut in futures:
             fut.result()
 
@@ -233,7 +237,7 @@ class HostCopier:
 
     def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
         """Run many ``(dst, src, nbytes)`` copies over the threads (:meth:`_share`)."""
-        self._share(_memmove_from, copies)
+        self._share(partial(_copy_from, self._copy), copies)
 
     def copy_changed(self, copies: list[tuple[int, int, int]]) -> list[bool]:
         """Like :meth:`copy_many`, but each destination is first compared with its source (``memcmp``, piece
@@ -321,14 +325,14 @@ _Piece = tuple[int, int, int, int]
 T = TypeVar("T")
 
 
-def _memmove_from(work: deque[_Piece]) -> None:
-    """A copier thread: take pieces from ``work`` and copy them until none is left."""
+def _copy_from(copy: CopyFn, work: deque[_Piece]) -> None:
+    """A copier thread: take pieces from ``work`` and ``copy`` them until none is left."""
     while True:
         try:
             dst, src, n, _ = work.popleft()
         except IndexError:
             return
-        ctypes.memmove(dst, src, n)
+        copy(dst, src, n)
 
 
 def _libc_memcmp() -> Any:
