@@ -33,9 +33,10 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from .errors import (
+    AlreadyExistsError,
     CheckpointNotFoundError,
     FormatError,
     NoSpaceError,
@@ -278,6 +279,11 @@ class LeaseStore:
             self._warn_unleased(exc)
             return None
         except StorageError:
+            # The lease may be there all the same (a retention emptying this step's lease folder unlinked the
+            # temporary file between its link and unlink; a PUT landed but its reply was lost): remove it, or,
+            # renewed by no one, it would hold the step for a time to live. The key is this take's own.
+            with suppress(StorageError):
+                self.storage.delete(key)
             self._check_committed(step)  # its lease directory removed with the step: not committed any more
             raise
         lease = ReadLease(self.storage, step, key, holder)
@@ -396,7 +402,10 @@ class LeaseStore:
         for name in names:
             step = parse_step_dirname(name)
             if step is not None and step not in held:
-                self.storage.delete_prefix(f"{LEASES_PREFIX}/{name}")
+                try:
+                    self.storage.delete_prefix(f"{LEASES_PREFIX}/{name}")
+                except AlreadyExistsError:  # not empty: a reader's lease landed meanwhile; a later pass removes it
+                    continue
         return removed
 
     def _records(self, prefix: str) -> Iterator[tuple[str, float]]:

@@ -23,8 +23,9 @@ import torch
 
 import tiersave
 from tiersave.catalog import Catalog
-from tiersave.errors import CheckpointNotFoundError, TiersaveWarning
+from tiersave.errors import CheckpointNotFoundError, StorageError, TiersaveWarning, storage_error_from_os
 from tiersave.export import export_safetensors
+from tiersave.format.layout import step_dirname
 from tiersave.leases import LEASES_PREFIX, LeaseStore
 from tiersave.storage.lock import LockHolder
 from tiersave.storage.posix import LocalStorage
@@ -160,6 +161,81 @@ def test_a_lease_written_after_retention_read_the_leases_finds_the_step_gone(roo
     threads[0].join(timeout=10)
     assert len(errors) == 1 and isinstance(errors[0], CheckpointNotFoundError), errors
     assert lease_files(root) == []
+
+
+def test_a_lease_write_that_fails_after_the_lease_landed_leaves_no_lease(root, monkeypatch):
+    """Retention (another process) deletes the step this reader chose, then empties the step's lease folder while
+    the reader writes its lease there: it unlinks the temporary file it listed right after the reader linked it to
+    the lease's name, so the write fails although the lease is there. The reader finds the step gone and must not
+    leave that lease behind: renewed by no one, it would hold the step for a time to live."""
+    saved(root, range(1, 3))
+    real_link = os.link
+
+    def link(src, dst, *, src_dir_fd=None, dst_dir_fd=None, follow_symlinks=True):
+        real_link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=follow_symlinks)
+        if str(dst).startswith("read-"):
+            os.unlink(src, dir_fd=src_dir_fd)  # retention's removal of the lease folder, listed before the link
+
+    monkeypatch.setattr(os, "link", link)
+    storage = Hooked(LocalStorage(root), "put", f"{LEASES_PREFIX}/", lambda: prune(root), before=True)
+    with pytest.raises(CheckpointNotFoundError, match=r"step 1 .*deleted"):
+        Catalog(storage).open(1)
+    assert Catalog(LocalStorage(root)).leases.leased() == {}
+    assert lease_files(root) == []
+
+
+def test_a_lease_write_that_fails_after_the_lease_landed_on_a_committed_step_leaves_no_lease(root):
+    """An object store's PUT that landed but whose reply was lost: the read fails with the storage error, and the
+    lease it wrote does not stay behind."""
+
+    class LandsThenFails(FaultyStorage):
+        def put(self, key, data, *, mode="overwrite"):
+            super().put(key, data, mode=mode)
+            if key.startswith(f"{LEASES_PREFIX}/"):
+                raise storage_error_from_os(
+                    OSError(errno.ETIMEDOUT, "reply lost"), tier=self.uri, key=key, action="put"
+                )
+
+    saved(root, range(1, 3))
+    with pytest.raises(StorageError, match="reply lost"):
+        Catalog(LandsThenFails(LocalStorage(root))).open(1)
+    assert Catalog(LocalStorage(root)).leases.leased() == {}
+    assert lease_files(root) == []
+
+
+def test_a_create_only_put_whose_temporary_was_removed_after_the_link_succeeds(root, monkeypatch):
+    """The object is written once the link lands; a removal of the folder's contents that took the temporary file
+    too (retention emptying a lease folder) does not make the write report a failure."""
+    real_link = os.link
+
+    def link(src, dst, *, src_dir_fd=None, dst_dir_fd=None, follow_symlinks=True):
+        real_link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=follow_symlinks)
+        os.unlink(src, dir_fd=src_dir_fd)
+
+    storage = LocalStorage(root)
+    monkeypatch.setattr(os, "link", link)
+    storage.put("dir/record.json", b"{}", mode="create")
+    assert storage.get("dir/record.json") == b"{}"
+    assert sorted(p.name for p in (root / "dir").iterdir()) == ["record.json"]
+
+
+def test_retention_goes_on_when_a_lease_lands_in_a_folder_it_is_removing(root, monkeypatch):
+    """A reader's lease written into a deleted step's lease folder while retention removes that folder: the
+    folder stays (with the lease, which keeps or expires as any other) and the retention pass completes."""
+    saved(root, range(1, 3))
+    folder = root / LEASES_PREFIX / step_dirname(1)
+    folder.mkdir(parents=True)  # left by an interrupted pass: step 1 is deleted below
+    real_rmdir = os.rmdir
+
+    def rmdir(path, *, dir_fd=None):
+        if path == folder.name and folder.exists() and not any(folder.iterdir()):
+            (folder / "read-lease.json").write_text("{}")  # the reader's link, after the folder was listed
+        real_rmdir(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    assert prune(root) == [1]
+    assert (folder / "read-lease.json").exists()
+    assert Catalog(LocalStorage(root)).steps() == [2]
 
 
 def test_a_dry_run_of_retention_does_not_list_a_leased_step(root):

@@ -173,7 +173,8 @@ class LocalStorage:
                 if mode == "create":
                     # fails with EEXIST instead of replacing
                     os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-                    os.unlink(tmp, dir_fd=dfd)
+                    # written: a removal of this directory's contents (a lease folder's) may have taken tmp already
+                    unlink_quiet(tmp, dir_fd=dfd)
                 else:
                     os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             except FileExistsError:
