@@ -6,7 +6,7 @@
  * store first reads its cache line into the cache (read for ownership), so a copy of cold memory moves each
  * destination byte over the memory bus twice, and evicts the cache the training loop is using. Staging writes
  * a whole state once and nothing reads it back soon (the writers' direct I/O reads it by DMA), which is what
- * non-temporal stores are for. Measured on this project's development machine (AMD EPYC, one thread, 1 GiB in
+ * non-temporal stores are for. Timed once on this project's development machine (AMD EPYC, one thread, 1 GiB in
  * 8 MiB pieces): memmove 10.3 GB/s, SSE2 streaming stores 18.7, AVX2 20.4.
  *
  * One exported copy (plus its ABI number and the name of the loop chosen at load time); no Python headers,
