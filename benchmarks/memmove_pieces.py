@@ -108,7 +108,8 @@ def main() -> None:
     cut = _pieces(copies, args.piece_kib << 10)
     with override_env("TIERSAVE_STAGE_COPY", "memmove"):  # the routine is chosen when a copier is made
         copier = HostCopier()
-    fast = HostCopier()
+    with override_env("TIERSAVE_STAGE_COPY", "stream" if stream_available() else "memmove"):
+        fast = HostCopier()
     helpers = DaemonThreadPool(max(1, copier.threads - 1), "halves")
 
     parts = [copier_of(g) for g in _halves(copies, copier.threads)]

@@ -8,6 +8,7 @@ sides; the build is run for real with hatchling on a copy of the project, with a
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import platform
 import shutil
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiersave.engine import memcopy
+from tiersave.engine import memcopy, stage
 from tiersave.engine.stage import HostCopier
 from tiersave.errors import ConfigError
 
@@ -50,11 +51,31 @@ def test_the_streaming_copy_is_built_and_used_where_it_can_be(monkeypatch):
         copier.close()
 
 
+def _cc() -> list[str]:
+    return (os.environ.get("CC") or "cc").split()
+
+
+def _built_copy(tmp_path: Path, monkeypatch, loop: str):
+    """The installed streaming copy (``loop="default"``) or a second instance of the same library loaded with the
+    SSE2 loop forced (its own copy of the file, so its own load-time choice)."""
+    if loop == "default":
+        monkeypatch.setenv("TIERSAVE_STAGE_COPY", "stream")
+        return memcopy.large_copy()
+    lib = tmp_path / "_streamcopy.so"
+    shutil.copy(memcopy.LIBRARY, lib)
+    shutil.copy(memcopy.LIBRARY.with_suffix(".c"), lib.with_suffix(".c"))
+    monkeypatch.setenv("TIERSAVE_STREAM_LOOP", loop)
+    loaded = memcopy._load(lib)
+    assert loaded is not None
+    copy, kind = loaded
+    return copy, f"stream-{kind}"
+
+
 @needs_stream
-def test_the_streaming_copy_copies_every_size_and_alignment_exactly(monkeypatch):
-    monkeypatch.setenv("TIERSAVE_STAGE_COPY", "stream")
-    copy, name = memcopy.large_copy()
-    assert name.startswith("stream-")
+@pytest.mark.parametrize("loop", ["default", "sse2"])
+def test_the_streaming_copy_copies_every_size_and_alignment_exactly(monkeypatch, tmp_path, loop):
+    copy, name = _built_copy(tmp_path, monkeypatch, loop)
+    assert name.startswith("stream-") and (loop == "default" or name == f"stream-{loop}")
     rng = np.random.default_rng(7)
     guard = 256
     sizes = [0, 1, 63, 4096, SMALL - 1, SMALL, SMALL + 1, SMALL + 127, SMALL + 128, (1 << 20) + 4095, (8 << 20) + 65]
@@ -89,7 +110,7 @@ def test_the_host_copier_copies_exactly_with_either_routine(monkeypatch, routine
     if routine == "stream" and not memcopy.stream_available():
         pytest.skip("the streaming copy was not built here")
     monkeypatch.setenv("TIERSAVE_STAGE_COPY", routine)
-    src = torch.randint(0, 256, ((40 << 20) + 12345,), dtype=torch.uint8)  # pieces of 8 MiB and a ragged tail
+    src = torch.randint(0, 256, ((72 << 20) + 12345,), dtype=torch.uint8)  # over _STREAM_MIN, a ragged tail
     dst = torch.zeros((src.numel() + 64,), dtype=torch.uint8)
     copier = HostCopier(threads=2)
     try:
@@ -103,11 +124,41 @@ def test_the_host_copier_copies_exactly_with_either_routine(monkeypatch, routine
         copier.close()
 
 
+def test_only_copies_larger_than_the_cache_stream(monkeypatch):
+    """Below ``_STREAM_MIN`` bytes in all a copy stays in the cache for the writers that read it back (memmove);
+    from it on, every byte goes through the streaming routine."""
+    streamed: list[int] = []
+
+    def recording(dst, src, n):
+        streamed.append(n)
+        return ctypes.memmove(dst, src, n)
+
+    monkeypatch.setattr(stage, "large_copy", lambda: (recording, "stream-recording"))
+    src = torch.randint(0, 256, (stage._STREAM_MIN,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    copier = HostCopier(threads=2)
+    try:
+        small = stage._STREAM_MIN // 2 - 1
+        copier.copy_many(
+            [(dst.data_ptr(), src.data_ptr(), small), (dst.data_ptr() + small, src.data_ptr() + small, small)]
+        )
+        copier.copy(dst.data_ptr(), src.data_ptr(), small)
+        assert streamed == []
+        copier.copy_many([(dst.data_ptr(), src.data_ptr(), src.numel())])
+        assert sum(streamed) == src.numel()
+        streamed.clear()
+        copier.copy(dst.data_ptr(), src.data_ptr(), src.numel())
+        assert sum(streamed) == src.numel()
+    finally:
+        copier.close()
+    assert torch.equal(dst, src)
+
+
 def test_a_bad_or_impossible_copy_choice_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TIERSAVE_STAGE_COPY", "fast")
     with pytest.raises(ConfigError, match="TIERSAVE_STAGE_COPY='fast' is not one of auto, stream, memmove"):
         HostCopier(threads=1)
-    monkeypatch.setattr(memcopy, "_STREAM", None)  # an install without the library
+    monkeypatch.setattr(memcopy, "_loaded", [None])  # an install without the library
     monkeypatch.setenv("TIERSAVE_STAGE_COPY", "stream")
     with pytest.raises(ConfigError, match=r"streaming copy _streamcopy\.so was not built"):
         memcopy.large_copy()
@@ -115,31 +166,50 @@ def test_a_bad_or_impossible_copy_choice_is_a_clear_error(monkeypatch):
     assert memcopy.large_copy() == (ctypes.memmove, "memmove")
 
 
-def test_a_library_from_another_version_is_not_loaded(monkeypatch, tmp_path, caplog):
-    if not memcopy.stream_available():
-        pytest.skip("the streaming copy was not built here")
-    source = (ROOT / "src/tiersave/engine/_streamcopy.c").read_text()
-    old = tmp_path / "_streamcopy.c"
-    old.write_text(
-        source.replace("tiersave_stream_copy_abi(void) { return 1; }", "tiersave_stream_copy_abi(void) { return 0; }")
-    )
+def _compile(tmp_path: Path, source: str, define: str) -> Path:
+    (tmp_path / "_streamcopy.c").write_text(source)
     lib = tmp_path / "_streamcopy.so"
-    subprocess.run(["cc", "-O2", "-fPIC", "-shared", "-o", str(lib), str(old)], check=True, timeout=120)
-    monkeypatch.setattr(memcopy, "LIBRARY", lib)
+    flags = ["-O2", "-fPIC", "-shared", f'-DTIERSAVE_STREAMCOPY_SOURCE="{define}"']
+    subprocess.run([*_cc(), *flags, "-o", str(lib), str(tmp_path / "_streamcopy.c")], check=True, timeout=120)
+    return lib
+
+
+@pytest.mark.parametrize("mismatch", ["none", "abi", "source"])
+def test_a_library_from_another_version_or_source_is_not_loaded(tmp_path, caplog, mismatch):
+    """The ABI number and the SHA-256 of the source it was built from must match the loader and the
+    ``_streamcopy.c`` beside it (a stale build in an editable install is refused)."""
+    if not _can_build():
+        pytest.skip("not Linux x86-64 with a C compiler")
+    source = (ROOT / "src/tiersave/engine/_streamcopy.c").read_text()
+    if mismatch == "abi":
+        source = source.replace(
+            "tiersave_stream_copy_abi(void) { return 1; }", "tiersave_stream_copy_abi(void) { return 0; }"
+        )
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    lib = _compile(tmp_path, source, "0" * 64 if mismatch == "source" else digest)
     with caplog.at_level("WARNING", logger="tiersave.engine.memcopy"):
-        assert memcopy._load() is None
-    assert "from another version of tiersave (ABI 0, not 1)" in caplog.text
+        loaded = memcopy._load(lib)
+    if mismatch == "none":
+        assert loaded is not None and caplog.text == ""
+    else:
+        assert loaded is None
+        why = "from another version of tiersave (ABI 0, not 1)" if mismatch == "abi" else "was built from another"
+        assert why in caplog.text
 
 
-def _build_wheel(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Build a wheel of a copy of the project (the files a build reads, without any built library)."""
+def _project(tmp_path: Path) -> Path:
+    """A copy of the files a build reads, without any built library."""
     project = tmp_path / "project"
     project.mkdir(parents=True)
     for name in ("pyproject.toml", "hatch_build.py", "README.md", ".gitignore"):
         shutil.copy(ROOT / name, project / name)
     shutil.copytree(ROOT / "src", project / "src", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    return project
+
+
+def _build_wheel(project: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "hatchling", "build", "-t", "wheel", "-d", str(tmp_path / "dist")],
+        [sys.executable, "-m", "hatchling", "build", "-t", "wheel", "-d", str(project.parent / "dist")],
         cwd=project,
         env={**os.environ, **env},
         capture_output=True,
@@ -151,28 +221,39 @@ def _build_wheel(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedPro
 def test_a_wheel_built_with_a_compiler_carries_the_streaming_copy(tmp_path):
     if not _can_build():
         pytest.skip("not Linux x86-64 with a C compiler")
-    done = _build_wheel(tmp_path, {"TIERSAVE_BUILD_NATIVE": "1"})
+    done = _build_wheel(_project(tmp_path), {"TIERSAVE_BUILD_NATIVE": "1"})
     assert done.returncode == 0, done.stderr
+    assert "warning:" not in done.stderr  # the compiler's: the C stays warning-free at -Wall -Wextra
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     assert wheel.name.endswith("-py3-none-linux_x86_64.whl")
     with zipfile.ZipFile(wheel) as zf:
-        assert LIBRARY in zf.namelist()
-        lib = tmp_path / "_streamcopy.so"
-        lib.write_bytes(zf.read(LIBRARY))
-    assert ctypes.CDLL(str(lib)).tiersave_stream_copy_abi() == 1
+        assert LIBRARY in zf.namelist() and LIBRARY.replace(".so", ".c") in zf.namelist()
+        (tmp_path / "_streamcopy.so").write_bytes(zf.read(LIBRARY))
+        (tmp_path / "_streamcopy.c").write_bytes(zf.read(LIBRARY.replace(".so", ".c")))
+    assert memcopy._load(tmp_path / "_streamcopy.so") is not None  # its source hash matches the shipped source
 
 
-def test_without_a_compiler_the_wheel_is_pure_python_and_says_why(tmp_path):
-    done = _build_wheel(tmp_path, {"CC": "/nonexistent/cc"})
+@pytest.mark.parametrize("how", ["no compiler", "not built"])
+def test_without_the_library_the_wheel_is_pure_python_says_why_and_no_stale_build_remains(tmp_path, how):
+    project = _project(tmp_path)
+    stale = project / "src" / LIBRARY
+    stale.write_bytes(b"an earlier build")
+    env = (
+        {"CC": "/nonexistent/cc", "TIERSAVE_BUILD_NATIVE": "auto"}
+        if how == "no compiler"
+        else {"TIERSAVE_BUILD_NATIVE": "0"}
+    )
+    done = _build_wheel(project, env)
     assert done.returncode == 0, done.stderr
+    assert not stale.exists()
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     assert wheel.name.endswith("-py3-none-any.whl")
     with zipfile.ZipFile(wheel) as zf:
         assert LIBRARY not in zf.namelist()
-    if _can_build():  # elsewhere the build says the platform is the reason
-        assert "no C compiler '/nonexistent/cc'" in done.stderr
-    assert "staging will copy with memmove" in done.stderr
-    required = _build_wheel(tmp_path / "again", {"CC": "/nonexistent/cc", "TIERSAVE_BUILD_NATIVE": "1"})
-    assert required.returncode != 0
-    if _can_build():
-        assert "no C compiler" in required.stderr
+    if how == "no compiler":
+        if _can_build():  # elsewhere the build says the platform is the reason
+            assert "no C compiler '/nonexistent/cc'" in done.stderr
+        assert "staging will copy with memmove" in done.stderr
+        (tmp_path / "dist" / wheel.name).unlink()
+        required = _build_wheel(project, {"CC": "/nonexistent/cc", "TIERSAVE_BUILD_NATIVE": "1"})
+        assert required.returncode != 0

@@ -1,6 +1,7 @@
 """Parallel, checksummed movement of tensor bytes between a state and the ``Storage`` protocol.
 
-Modules: ``stage`` (the staging arena, its ring, host and device copies), ``pipeline`` (the staged write of
+Modules: ``stage`` (the staging arena, its ring, host and device copies), ``memcopy`` (the streaming copy
+for large host copies, a small C routine built at install, or ``memmove``), ``pipeline`` (the staged write of
 one save: layout, units, checksums, parallel writes, durability), ``reader`` (parallel verified reads into
 caller memory), ``pool`` (daemon thread pools).
 

@@ -180,7 +180,8 @@ class Ring:
 
 class HostCopier:
     """Copies host memory on a small pool of daemon threads, with the streaming copy where it was built
-    (engine/memcopy.py: non-temporal stores) and ``memmove`` elsewhere (``routine`` names the one in use).
+    (engine/memcopy.py: non-temporal stores; ``routine`` names the one chosen) for copies of at least
+    ``_STREAM_MIN`` bytes in all, and ``memmove`` for the rest.
 
     Staging copies of CPU tensors go through this instead of ``Tensor.copy_``: torch's copy runs on the
     OpenMP pool, whose threads spin-wait between parallel regions and, on a machine with few cores, fight
@@ -198,7 +199,7 @@ class HostCopier:
 
         count = threads if threads is not None else min(4, os.cpu_count() or 1)
         self.threads = max(1, count)
-        self._copy, self.routine = large_copy()
+        self._stream, self.routine = large_copy()
         self._pool = DaemonThreadPool(self.threads - 1, "tiersave-stage") if self.threads > 1 else None
 
     def _parts(self, nbytes: int) -> list[tuple[int, int]]:
@@ -213,9 +214,10 @@ class HostCopier:
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """Copy ``nbytes`` from address ``src`` to address ``dst`` (non-overlapping host memory)."""
+        copy = self._routine_for(nbytes)
         (_, first), *rest = self._parts(nbytes)
-        futures = [self._pool.submit(self._copy, dst + off, src + off, n) for off, n in rest]  # type: ignore[union-attr]
-        self._copy(dst, src, first)  # the first part on this thread
+        futures = [self._pool.submit(copy, dst + off, src + off, n) for off, n in rest]  # type: ignore[union-attr]
+        copy(dst, src, first)  # the first part on this thread
         for fut in futures:
             fut.result()
 
@@ -237,7 +239,11 @@ class HostCopier:
 
     def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
         """Run many ``(dst, src, nbytes)`` copies over the threads (:meth:`_share`)."""
-        self._share(partial(_copy_from, self._copy), copies)
+        self._share(partial(_copy_from, self._routine_for(sum(n for _, _, n in copies))), copies)
+
+    def _routine_for(self, nbytes: int) -> CopyFn:
+        """The streaming copy for ``nbytes`` of at least ``_STREAM_MIN``, else ``memmove``."""
+        return self._stream if nbytes >= _STREAM_MIN else ctypes.memmove
 
     def copy_changed(self, copies: list[tuple[int, int, int]]) -> list[bool]:
         """Like :meth:`copy_many`, but each destination is first compared with its source (``memcmp``, piece
@@ -313,6 +319,11 @@ def copy_small(base: int, offsets: list[int], addresses: list[int | None], nbyte
             small_memmove(base + offset, addr, n)
     return rest
 
+
+_STREAM_MIN = 64 << 20
+"""Copies of fewer bytes in all use ``memmove``, which leaves them in the cache: the writers read the staged bytes
+back (the CRC, a buffered write), and a copy that fits a last-level cache (32 MiB here) is still there when
+they do. Above it the bytes are evicted before the writers reach them, and streaming stores save a read."""
 
 _SHARE = 8 << 20
 """The piece :meth:`HostCopier.copy_many` hands out: half a millisecond of copying here, so the threads end
