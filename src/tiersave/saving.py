@@ -521,6 +521,8 @@ class Saver:
         attempt's ``prefix`` (every rank has voted: none still writes there)."""
         if self.group is not None:
             _vote_no(self.group, step, exc)
+            if self.incremental is not None:
+                self.force_full = True  # as the ranks that learn of it from this vote (_failed): all start over
         self._settle(step)
         if prefix is not None and self.rank == 0:
             _abort_prefix(self.commit, prefix)

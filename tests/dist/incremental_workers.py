@@ -65,7 +65,32 @@ def turns(rank: int, world: int, rec: dict[str, Any]) -> None:
         rec["restored"] = bool(torch.equal(out["x"], x) and torch.equal(out["y"], y))
 
 
-SCENARIOS = {f.__name__: f for f in (chain, turns)}
+def one_rank_fails_staging(rank: int, world: int, rec: dict[str, Any]) -> None:
+    """Steps 1-2 saved (2 references 1); rank 1's staging of step 3 fails (an injected error), so every rank's
+    save of step 3 fails; then steps 4 and 5. Records, per step, the bytes referenced or the error."""
+    from tiersave.engine.pipeline import StagedWrite
+
+    real_stage = StagedWrite.stage
+
+    def stage(self: StagedWrite, *args: Any, **kwargs: Any) -> None:
+        if rank == 1 and rec.get("step") == 3:
+            raise RuntimeError("injected: rank 1 cannot stage step 3")
+        real_stage(self, *args, **kwargs)
+
+    StagedWrite.stage = stage  # type: ignore[method-assign]
+    with tiersave.Checkpointer(ROOT, incremental=True, coordination_timeout_s=TIMEOUT_S) as ckpt:
+        for step in (1, 2, 3, 4, 5):
+            rec["step"] = step
+            try:
+                handle = ckpt.save(step, lora(rank, step))
+            except Exception as exc:
+                rec.setdefault("failed", {})[str(step)] = f"{type(exc).__name__}: {exc}"
+                continue
+            rec.setdefault("referenced", {})[str(step)] = handle.stats.extra.get("referenced_bytes", 0)
+        rec["restored"] = {str(step): same(ckpt.restore(step), lora(rank, step)) for step in (4, 5)}
+
+
+SCENARIOS = {f.__name__: f for f in (chain, turns, one_rank_fails_staging)}
 
 
 if __name__ == "__main__":

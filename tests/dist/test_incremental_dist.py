@@ -122,3 +122,19 @@ def test_a_chain_of_references_ends_on_every_rank_at_the_same_save(launch, tmp_p
     catalog = Catalog(LocalStorage(root))
     for step in catalog.steps():
         assert catalog.verify(step).ok, step
+
+
+def test_after_a_rank_fails_to_stage_every_rank_saves_in_full_next(launch, tmp_path):
+    """A save that failed on one rank's staging fails on every rank, and the next save starts the chain over on
+    every rank, the failing one included (it voted no without a commit outcome, and kept referencing before)."""
+    root = tmp_path / "ckpt"
+    job = launch("one_rank_fails_staging", 2, env=worker_env(root, TIMEOUT), script=SCRIPT, deadline_s=120)
+    recs = [job.rank(r) for r in range(2)]
+    for rec in recs:
+        assert "crash" not in rec, rec
+        assert set(rec["failed"]) == {"3"}, rec
+        assert rec["referenced"]["2"] >= 9 * MiB and rec["referenced"]["4"] == 0, rec
+        assert rec["referenced"]["5"] >= 9 * MiB and rec["restored"] == {"4": True, "5": True}, rec
+    assert "injected: rank 1 cannot stage step 3" in recs[1]["failed"]["3"]
+    catalog = Catalog(LocalStorage(root))
+    assert catalog.steps() == [1, 2, 4, 5] and not catalog.manifest(4).referenced_steps
