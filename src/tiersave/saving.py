@@ -516,13 +516,11 @@ class Saver:
         p.manifest = manifest
 
     def vote_no(self, step: int, exc: BaseException, prefix: str | None = None) -> None:
-        """Commit thread, after this rank failed to stage ``step`` (its caller already got the error): vote
-        no, so that every other rank fails now rather than at its timeout; then, on rank 0, remove the
-        attempt's ``prefix`` (every rank has voted: none still writes there)."""
+        """Commit thread, after this rank failed to stage ``step`` (its caller got the error): vote no, so every rank
+        fails now, not at its timeout, and saves in full next (as in _failed); rank 0 then removes ``prefix``."""
         if self.group is not None:
             _vote_no(self.group, step, exc)
-            if self.incremental is not None:
-                self.force_full = True  # as the ranks that learn of it from this vote (_failed): all start over
+            self.force_full = self.force_full or self.incremental is not None
         self._settle(step)
         if prefix is not None and self.rank == 0:
             _abort_prefix(self.commit, prefix)
