@@ -182,6 +182,12 @@ class SaveError(TiersaveError):
     """A save did not complete. Nothing of it became visible; earlier checkpoints are intact."""
 
 
+class DrainSupersededError(TiersaveError):
+    """A save waiting to be copied to a busy later tier was not copied there: a newer save took its place (the
+    tier catches up on the newest due save only). ``handle.tier_result(tier)`` raises it; the checkpoint itself
+    is intact on the tiers it reached."""
+
+
 class SaveTimeoutError(SaveError, TimeoutError):
     """Waiting for a save exceeded the given timeout (the save itself may still complete)."""
 

@@ -139,12 +139,13 @@ class SaveHandle:
 
     def tier_result(self, tier: str, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait until the checkpoint is durable on ``tier`` (a later tier of the chain) and return its info
-        there; re-raise the drain's error. The first tier is ``result()``.
+        there; re-raise the drain's error. The first tier is ``result()``. A save that found the tier busy waits
+        to be copied once it is idle: its result comes with that catch-up.
 
         Raises:
-            ConfigError: this save is not sent to ``tier``: its cadence skipped it, or the tier was busy (on one
-                node such a save is copied once the tier is idle unless a newer save supersedes it, and
-                ``Checkpointer.wait()`` waits for that).
+            ConfigError: this save is not sent to ``tier``: its cadence skipped it (or, on many nodes, the tier
+                was busy: a part drain does not catch up).
+            DrainSupersededError: it waited for the busy tier and a newer save took its place.
         """
         from .errors import ConfigError
 
@@ -152,9 +153,8 @@ class SaveHandle:
         if future is None:
             raise ConfigError(
                 f"the save of step {self.step} is not sent to tier {tier!r} (sent to: "
-                f"{', '.join(self.tiers) or 'no later tier'}): its cadence skipped it, or the tier was still copying "
-                "an earlier checkpoint (on one node it is then copied once the tier is idle unless a newer save "
-                "supersedes it, and Checkpointer.wait() waits for that)"
+                f"{', '.join(self.tiers) or 'no later tier'}): its cadence skipped it (or, on many nodes, the tier "
+                "was still copying an earlier checkpoint)"
             )
         try:
             return future.result(timeout)

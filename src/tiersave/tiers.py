@@ -46,7 +46,7 @@ from .catalog import Catalog, CheckpointInfo
 from .commit import CommitStrategy, commit_for
 from .drain_refs import drain_to
 from .engine.pool import DaemonThreadPool
-from .errors import CheckpointNotFoundError, ConfigError, FormatError, TiersaveError
+from .errors import CheckpointNotFoundError, ConfigError, DrainSupersededError, FormatError, TiersaveError
 from .events import EVENTS_NAME, EventLog, background_warning
 from .format.manifest import Manifest
 from .leases import Reclaim
@@ -93,6 +93,7 @@ class TierRuntime:
         self.warned_unhashed = False  # drain_refs.py: said once that the source has no content hashes
         self.busy_streak = 0  # consecutive due saves that found the drain busy
         self.behind: int | None = None  # newest due save skipped while busy: drained as soon as the tier is idle
+        self.behind_future: Future[CheckpointInfo | None] | None = None  # its handle's tier_result
         self.draining = False  # a drain task is queued or running (TierChain._lock): due saves wait behind it
         self.drainer: DaemonThreadPool | None = None
         self.copier: DaemonThreadPool | None = None
@@ -369,21 +370,25 @@ class TierChain:
         if tier.drainer is None:
             return
         widen = False
+        future = _running_future()
+        handle.tiers[tier.name] = future  # sent now, or deferred: resolved by its drain, or when superseded
         with self._lock:
             deferred = tier.draining
             if deferred:
                 tier.skipped += 1
                 tier.busy_streak += 1
-                self._wait_behind(tier, handle.step)
+                superseded = self._wait_behind(tier, handle.step, future)
                 running = now - (tier.last_sent_mono or now)
                 widen = tier.busy_streak >= 2
                 if widen:
                     tier.widened_every = max(tier.every + 1, self._needed_every(max(tier.last_drain_s, running)))
             else:
                 tier.busy_streak, tier.draining = 0, True
-                if tier.behind is not None:  # this newer save supersedes the one waiting to catch up
+                superseded = tier.behind, tier.behind_future  # this newer save supersedes the one waiting to catch up
+                if tier.behind is not None:
                     self.protection.release(0, tier.behind)
-                    tier.behind = None
+                tier.behind = tier.behind_future = None
+        _supersede_future(*superseded, handle.step, tier.name)
         if deferred:
             self._log_deferred(
                 tier, handle.step, "previous drain still running; sent when it ends unless a newer save is"
@@ -396,9 +401,6 @@ class TierChain:
                     f"of those is sent as soon as it is idle; {tier.skipped} deferred so far)"
                 )
             return
-        future: Future[CheckpointInfo | None] = Future()
-        future.set_running_or_notify_cancel()  # a caller's cancel() must not make the drain task's set_result raise
-        handle.tiers[tier.name] = future
         tier.sent += 1
         tier.last_sent_mono = now
         self.protection.hold(0, handle.step)  # the source copy must outlive the drain
@@ -408,19 +410,27 @@ class TierChain:
         """A save that the tier's configured cadence selects but its widened one leaves out replaces the save
         waiting to catch up there: still one catch-up, of a newer checkpoint, so a tier that cannot keep up ends a
         burst with the newest save it would have been sent. To an idle tier it is not sent (that is the widening)."""
+        future = _running_future()
         with self._lock:
             older = tier.behind
             if not tier.draining or older is None:
                 return
-            self._wait_behind(tier, handle.step)
+            superseded = self._wait_behind(tier, handle.step, future)
+        handle.tiers[tier.name] = future
+        _supersede_future(*superseded, handle.step, tier.name)
         self._log_deferred(tier, handle.step, f"replaces step {older}, waiting to catch up (the cadence is widened)")
 
-    def _wait_behind(self, tier: TierRuntime, step: int) -> None:
-        """Under ``self._lock``: ``step`` becomes the save to catch up on, superseding any other."""
-        older, tier.behind = tier.behind, step
+    def _wait_behind(
+        self, tier: TierRuntime, step: int, future: Future[CheckpointInfo | None]
+    ) -> tuple[int | None, Future[CheckpointInfo | None] | None]:
+        """Under ``self._lock``: ``step`` (its handle's ``future``) becomes the save to catch up on, superseding
+        any other; returns the superseded one's step and future (resolved by the caller, outside the lock)."""
+        older, older_future = tier.behind, tier.behind_future
+        tier.behind, tier.behind_future = step, future
         self.protection.hold(0, step)  # the catch-up's source must outlive it: held before the older one is let go
         if older is not None:
             self.protection.release(0, older)
+        return older, older_future
 
     def _log_deferred(self, tier: TierRuntime, step: int, reason: str) -> None:
         self.log({"step": step, "tier": tier.name, "outcome": "drain_deferred", "time": time.time(), "reason": reason})
@@ -443,7 +453,8 @@ class TierChain:
             while True:
                 outcome = self._drain_one(tier, step)
                 with self._lock:
-                    behind, tier.behind = tier.behind, None
+                    behind, behind_future = tier.behind, tier.behind_future
+                    tier.behind = tier.behind_future = None
                     tier.draining = behind is not None and behind > step
                 if isinstance(outcome, BaseException):
                     future.set_exception(outcome)  # after the warning: whoever waits on it has seen both
@@ -452,8 +463,10 @@ class TierChain:
                 if behind is None or behind <= step:
                     if behind is not None:
                         self.protection.release(0, behind)
+                        _supersede_future(behind, behind_future, step, tier.name)
                     return
-                step, future = behind, Future()  # its hold, taken when it was deferred, passes to this drain
+                # its hold, taken when it was deferred, passes to this drain; its future is its handle's
+                step, future = behind, behind_future if behind_future is not None else _running_future()
                 tier.sent += 1
                 tier.last_sent_mono = time.monotonic()
                 self.log({"step": step, "tier": tier.name, "outcome": "catch_up", "time": time.time()})
@@ -547,3 +560,20 @@ def _event_log(tiers: Sequence[TierRuntime]) -> EventLog | None:
     local = [t for t in tiers if getattr(t.storage, "root", None) is not None]
     chosen = next((t for t in local if t.storage.capabilities.durable), local[0] if local else None)
     return EventLog(Path(chosen.storage.root) / EVENTS_NAME) if chosen is not None else None  # type: ignore[attr-defined]
+
+
+def _running_future() -> Future[CheckpointInfo | None]:
+    future: Future[CheckpointInfo | None] = Future()
+    future.set_running_or_notify_cancel()  # a caller's cancel() must not make the drain task's set_result raise
+    return future
+
+
+def _supersede_future(step: int | None, future: Future[CheckpointInfo | None] | None, by: int, tier: str) -> None:
+    """The tier result of the deferred save ``step``, replaced by save ``by`` before it was copied to ``tier``."""
+    if step is not None and future is not None and not future.done():
+        future.set_exception(
+            DrainSupersededError(
+                f"step {step} was not copied to tier {tier}: it waited for the tier to be idle, and step {by}, a "
+                "newer save, took its place (a busy tier catches up on the newest due save only)"
+            )
+        )

@@ -128,12 +128,15 @@ def test_retention_never_deletes_a_drain_source_and_a_busy_tier_catches_up(mem_u
             h1 = ckpt.save(1, state_for(1))  # its drain blocks on the gate
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # one busy observation is no evidence of a slow tier: no warning
-                ckpt.save(2, state_for(2))  # tier slow is busy: step 2 is deferred until it is idle
+                h2 = ckpt.save(2, state_for(2))  # tier slow is busy: step 2 is deferred until it is idle
             mem = ckpt._chain.tiers[0].catalog
             assert mem.steps() == [1, 2]  # keep=1, but 1 is being drained and 2 waits to catch up
+            with pytest.raises(tiersave.SaveTimeoutError):
+                h2.tier_result("slow", timeout=0.05)  # deferred, not dropped: its result comes with the catch-up
         finally:
             gate.set()
         assert h1.tier_result("slow", timeout=60).step == 1
+        assert h2.tier_result("slow", timeout=60).step == 2
         assert ckpt.wait(60)
         slow_tier = ckpt._chain.tiers[1]
         assert slow_tier.catalog.steps() == [1, 2]  # caught up: the newest save reached the slow tier
@@ -187,20 +190,28 @@ def test_a_widened_tier_catches_up_on_the_newest_save_of_its_configured_cadence(
         tier = ckpt._chain.tiers[1]
         try:
             ckpt.save(1, state_for(1))  # its drain waits at the gate
-            ckpt.save(2, state_for(2))  # due, found busy: deferred
+            handles = {2: ckpt.save(2, state_for(2))}  # due, found busy: deferred
             # as if the tier had been measured unable to keep up (how far it widens depends on timing): no later
             # save is due under the widened cadence, every one under the configured one
             tier.widened_every = 100
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # no widening warning: these saves are not due
-                ckpt.save(3, state_for(3))
-                ckpt.save(4, state_for(4))
+                handles[3] = ckpt.save(3, state_for(3))
+                handles[4] = ckpt.save(4, state_for(4))
+            # each replaced by the next before the tier was idle: told so at once, not at the end of the drain
+            with pytest.raises(tiersave.DrainSupersededError, match=r"step 2 was not copied to tier slow: .* step 3"):
+                handles[2].tier_result("slow", timeout=0)
+            with pytest.raises(tiersave.DrainSupersededError, match=r"step 3 was not copied .* step 4, a newer save"):
+                handles[3].tier_result("slow", timeout=0)
         finally:
             gate.set()
+        assert handles[4].tier_result("slow", timeout=60).step == 4
         assert ckpt.wait(60)
         assert tier.catalog.steps() == [1, 4]  # one catch-up, of the newest save
         tier.widened_every = 100  # again: the fast catch-up narrowed it back toward the measured need
-        ckpt.save(5, state_for(5))  # the tier is idle now: the widened cadence leaves 5 out
+        fifth = ckpt.save(5, state_for(5))  # the tier is idle now: the widened cadence leaves 5 out
+        with pytest.raises(tiersave.ConfigError, match="not sent to tier 'slow'"):
+            fifth.tier_result("slow")
         assert ckpt.wait(60)
         assert tier.catalog.steps() == [1, 4]
         assert ckpt._chain.tiers[0].catalog.steps()[-1] == 5
@@ -213,6 +224,28 @@ def test_a_widened_tier_catches_up_on_the_newest_save_of_its_configured_cadence(
         (4, "catch_up"),
         (4, "drained"),
     ]
+
+
+def test_every_save_sent_to_a_busy_tier_gets_a_result_there_or_is_told_it_was_superseded(mem_uri, tmp_path):
+    """Due saves that find the tier busy are deferred: the one still waiting when the tier is idle is copied and
+    its ``tier_result`` returns its info there; one replaced by a newer save first raises DrainSupersededError
+    at once (it used to have no result on the tier at all: ConfigError, "not sent")."""
+    gate = threading.Event()
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(slow, name="slow")]) as ckpt:
+        try:
+            first = ckpt.save(1, state_for(1))  # its drain waits at the gate
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", tiersave.TiersaveWarning)  # busy twice in a row: widened
+                second, third = ckpt.save(2, state_for(2)), ckpt.save(3, state_for(3))
+            with pytest.raises(tiersave.DrainSupersededError, match=r"step 2 was not copied .* step 3, a newer"):
+                second.tier_result("slow", timeout=0)
+        finally:
+            gate.set()
+        assert [first.tier_result("slow", 60).step, third.tier_result("slow", 60).step] == [1, 3]
+        assert ckpt.wait(60)
+        assert ckpt._chain.tiers[1].catalog.steps() == [1, 3]
+        assert second.result().step == 2  # on the first tier it is as committed as any
 
 
 def test_a_failed_drain_is_reported_and_the_checkpoint_stays_safe(mem_uri, tmp_path):

@@ -31,6 +31,7 @@ def test_exported_names_are_stable():
             "ConfigError",
             "CorruptCheckpointError",
             "DistributedCheckpointError",
+            "DrainSupersededError",
             "FormatError",
             "NoSpaceError",
             "ObjectNotFoundError",
