@@ -491,3 +491,16 @@ def test_a_failed_write_stops_the_other_writes_of_an_async_save(tmp_path):
         # the failed write, the one before it, and what the other lane took meanwhile: not the 45 after them
         assert storage.ops["write_at"] < 10
         assert ck.list() == []
+
+
+def test_a_failed_write_stops_the_other_writes_of_a_blocking_staged_save(tmp_path):
+    """The same for a blocking save staged through the ring, one task per write (direct I/O): the tasks queued
+    behind a failed write return without writing (all 48 were written before)."""
+    storage = FaultyStorage(LocalStorage(tmp_path, io="direct"), [Fault("write_at", nth=2)], delays={"write_at": 0.02})
+    with tiersave.Checkpointer(storage, io_threads=2, chunk_bytes=128 << 10, event_log=False) as ck:
+        with pytest.raises(StorageError, match="injected"):
+            ck.save(1, _chunked_state())
+        assert storage.ops["write_at"] < 10
+        assert ck.list() == []
+        ck.save(2, _chunked_state())  # the next save writes everything again
+        assert storage.ops["write_at"] >= 48 and [i.step for i in ck.list()] == [2]

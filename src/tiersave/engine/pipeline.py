@@ -312,8 +312,7 @@ class StagedWrite:
         return self._addresses
 
     def submit_staged(self, units: Sequence[Unit], event: Any = None) -> None:
-        """Submit the writes of ``units``, staged at their own place in an arena that holds the whole save (by
-        engine/phased.py); ``event``: the CUDA event after their device copies, which the writes wait for."""
+        """Submit the writes of ``units``, staged in place by engine/phased.py (``event``: after the device copies)."""
         if event is not None:
             self._last_event = event
         submit, write = self.executor.submit, self._write_unit
@@ -327,6 +326,8 @@ class StagedWrite:
     # -- writer threads -------------------------------------------------------------------------
 
     def _write_unit(self, u: Unit, segments: list[tuple[int, int]], event: Any) -> None:
+        if self.ring.failed:  # a write of this save failed: it is lost, the rest need not be written
+            return
         try:
             if event is not None:
                 event.synchronize()
