@@ -11,7 +11,8 @@ working::
     ├── BackendUnavailableError(ImportError)   an optional dependency is missing; the message says what to install
     ├── StorageError                           I/O failed; .tier, .key
     │   ├── ObjectNotFoundError(FileNotFoundError)
-    │   ├── AlreadyExistsError(FileExistsError)   a create-only write found the key taken (never overwritten)
+    │   ├── AlreadyExistsError(FileExistsError)   a create-only write found the key taken (never overwritten), or a
+    │   │                                         directory to remove was not empty (a file landed meanwhile)
     │   ├── PreconditionFailedError               a conditional write lost a race
     │   ├── PermissionDeniedError(PermissionError)
     │   ├── NoSpaceError                          ENOSPC / EDQUOT: the save is lost, earlier ones are intact
@@ -20,6 +21,7 @@ working::
     │   ├── CorruptCheckpointError                checksum, size or structure mismatch; .step, .file, .tensor
     │   └── UnsupportedFormatVersionError         written by an incompatible (newer major) format version
     ├── CheckpointNotFoundError(LookupError)   no committed checkpoint matches the request
+    ├── DrainSupersededError                   a save deferred behind a busy tier was replaced by a newer one there
     ├── SaveError                              a save did not complete; nothing of it became visible
     │   ├── SaveTimeoutError(TimeoutError)
     │   └── WriterLockedError                 another live writer holds the root's writer lock; .uri, .holder

@@ -197,6 +197,7 @@ class PartDrains:
         for name in chosen:
             tier = chain.get(name)
             future: Future[CheckpointInfo | None] = Future()
+            future.set_running_or_notify_cancel()  # a caller's cancel() must not make the drain's set_result raise
             handle.tiers[tier.name] = future
             chain.protection.hold(0, handle.step)  # the memory tier's retention must not delete the source
             tier.sent += 1

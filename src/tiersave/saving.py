@@ -314,6 +314,7 @@ class Saver:
             if prefix is not None and self.group is None:  # a shared prefix: rank 0 removes it after the vote
                 _abort_prefix(self.commit, prefix)
             self.abandoned_prefix = prefix
+            self.force_full = self.force_full or (self.group is not None and self.incremental is not None)  # _failed
             handle._set_error(exc)
             handle._observed = True  # raised right here, to the caller
             self.log_event({"step": request.step, "outcome": "failed", "time": started_wall, "error": str(exc)})
@@ -516,11 +517,10 @@ class Saver:
         p.manifest = manifest
 
     def vote_no(self, step: int, exc: BaseException, prefix: str | None = None) -> None:
-        """Commit thread, after this rank failed to stage ``step`` (its caller got the error): vote no, so every rank
-        fails now, not at its timeout, and saves in full next (as in _failed); rank 0 then removes ``prefix``."""
+        """Commit thread, after this rank failed to stage ``step`` (its caller got the error; ``stage`` made the next
+        save full): vote no, so every other rank fails now, not at its timeout; rank 0 then removes ``prefix``."""
         if self.group is not None:
             _vote_no(self.group, step, exc)
-            self.force_full = self.force_full or self.incremental is not None
         self._settle(step)
         if prefix is not None and self.rank == 0:
             _abort_prefix(self.commit, prefix)

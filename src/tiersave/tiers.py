@@ -342,14 +342,17 @@ class TierChain:
                 **handle.stats.to_json(),
             }
         )
+        superseded: builtins.list[_Superseded] = []  # resolved after the handle: a callback may wait on it
         for tier in self.tiers[1:]:
             if tier.drainer is None:  # drained elsewhere: the owner counts the saves
                 continue
             if tier.due(now):
-                self._send(tier, handle, now)
+                superseded.append(self._send(tier, handle, now))
             elif tier.configured_due(now):
-                self._supersede(tier, handle)
+                superseded.append(self._supersede(tier, handle))
         handle._set_result(info)
+        for older in superseded:
+            _supersede_future(*older)
         # retention, and the leftovers of dead writers of this host (a killed save's temporary files)
         self.retain(self.first, self.first.policy, leftovers=True, reclaim=self.reclaimer.later)
 
@@ -362,13 +365,13 @@ class TierChain:
         self.first.catalog.remember(manifest)
         self.retain(self.first, self.first.policy, leftovers=True, reclaim=self.reclaimer.later)
 
-    def _send(self, tier: TierRuntime, handle: SaveHandle, now: float) -> None:
+    def _send(self, tier: TierRuntime, handle: SaveHandle, now: float) -> _Superseded:
         """Queue the drain of ``handle``'s checkpoint to ``tier``. A tier still busy with an earlier drain
         does not queue it: it remembers it as the save to catch up on (drained as soon as the tier is idle,
         so the newest checkpoint reaches every tier), and a tier found busy twice in a row cannot keep up:
         its cadence is widened (a warning says so)."""
         if tier.drainer is None:
-            return
+            return None, None, handle.step, tier.name
         widen = False
         future = _running_future()
         handle.tiers[tier.name] = future  # sent now, or deferred: resolved by its drain, or when superseded
@@ -388,7 +391,6 @@ class TierChain:
                 if tier.behind is not None:
                     self.protection.release(0, tier.behind)
                 tier.behind = tier.behind_future = None
-        _supersede_future(*superseded, handle.step, tier.name)
         if deferred:
             self._log_deferred(
                 tier, handle.step, "previous drain still running; sent when it ends unless a newer save is"
@@ -400,13 +402,20 @@ class TierChain:
                     f"{ordinal(tier.every)} checkpoint (configured: every {ordinal(tier.spec.every)}; the newest "
                     f"of those is sent as soon as it is idle; {tier.skipped} deferred so far)"
                 )
-            return
+            return (*superseded, handle.step, tier.name)
         tier.sent += 1
         tier.last_sent_mono = now
         self.protection.hold(0, handle.step)  # the source copy must outlive the drain
-        tier.drainer.submit(self._drain, tier, handle.step, future)
+        try:
+            tier.drainer.submit(self._drain, tier, handle.step, future)
+        except BaseException as exc:  # closed (close() timed out while this commit ran): no drain will run
+            with self._lock:
+                tier.draining = False
+            self.protection.release(0, handle.step)
+            future.set_exception(exc)
+        return (*superseded, handle.step, tier.name)
 
-    def _supersede(self, tier: TierRuntime, handle: SaveHandle) -> None:
+    def _supersede(self, tier: TierRuntime, handle: SaveHandle) -> _Superseded:
         """A save that the tier's configured cadence selects but its widened one leaves out replaces the save
         waiting to catch up there: still one catch-up, of a newer checkpoint, so a tier that cannot keep up ends a
         burst with the newest save it would have been sent. To an idle tier it is not sent (that is the widening)."""
@@ -414,11 +423,11 @@ class TierChain:
         with self._lock:
             older = tier.behind
             if not tier.draining or older is None:
-                return
+                return None, None, handle.step, tier.name
             superseded = self._wait_behind(tier, handle.step, future)
         handle.tiers[tier.name] = future
-        _supersede_future(*superseded, handle.step, tier.name)
         self._log_deferred(tier, handle.step, f"replaces step {older}, waiting to catch up (the cadence is widened)")
+        return (*superseded, handle.step, tier.name)
 
     def _wait_behind(
         self, tier: TierRuntime, step: int, future: Future[CheckpointInfo | None]
@@ -473,8 +482,13 @@ class TierChain:
         except BaseException as exc:
             with self._lock:
                 tier.draining = False
-            if not future.done():
-                future.set_exception(exc)
+                behind, behind_future = tier.behind, tier.behind_future  # no drain is left to send it
+                tier.behind = tier.behind_future = None
+            if behind is not None:
+                self.protection.release(0, behind)
+            for pending in (future, behind_future):
+                if pending is not None and not pending.done():
+                    pending.set_exception(exc)
             raise
 
     def _drain_one(self, tier: TierRuntime, step: int) -> CheckpointInfo | BaseException | None:
@@ -568,12 +582,17 @@ def _running_future() -> Future[CheckpointInfo | None]:
     return future
 
 
+_Superseded = tuple[int | None, "Future[CheckpointInfo | None] | None", int, str]
+"""``(step, its tier future, the save that replaced it, tier name)``: a deferred save to tell it was superseded."""
+
+
 def _supersede_future(step: int | None, future: Future[CheckpointInfo | None] | None, by: int, tier: str) -> None:
     """The tier result of the deferred save ``step``, replaced by save ``by`` before it was copied to ``tier``."""
     if step is not None and future is not None and not future.done():
+        instead = f"step {by}, a newer save, took its place" if by > step else f"step {by} was copied there instead"
         future.set_exception(
             DrainSupersededError(
-                f"step {step} was not copied to tier {tier}: it waited for the tier to be idle, and step {by}, a "
-                "newer save, took its place (a busy tier catches up on the newest due save only)"
+                f"step {step} was not copied to tier {tier}: it waited for the tier to be idle, and {instead} (a "
+                "busy tier catches up on the newest due save only)"
             )
         )

@@ -248,6 +248,52 @@ def test_every_save_sent_to_a_busy_tier_gets_a_result_there_or_is_told_it_was_su
         assert second.result().step == 2  # on the first tier it is as committed as any
 
 
+def test_a_drain_task_that_raises_leaves_no_tier_result_waiting(mem_uri, tmp_path, monkeypatch):
+    """An error that escapes a drain task (here the tier's retention raising something other than a storage
+    error) ends the drain: the save deferred behind it gets that error as its tier result instead of waiting
+    for a drain that will never run, its source is let go, and the next due save is sent again."""
+    gate = threading.Event()
+    slow = FaultyStorage(LocalStorage(tmp_path / "slow"), gates={"finish": gate})
+    retain = tiersave.tiers.TierChain.retain
+
+    def retention_bug(self, tier, *args, **kwargs):
+        if tier.name == "slow" and tier.catalog.steps() == [1]:
+            raise RuntimeError("retention bug")
+        return retain(self, tier, *args, **kwargs)
+
+    monkeypatch.setattr(tiersave.tiers.TierChain, "retain", retention_bug)
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri, keep=1), Tier(slow, name="slow")]) as ckpt:
+        try:
+            first, second = ckpt.save(1, state_for(1)), ckpt.save(2, state_for(2))  # 2 deferred behind 1
+        finally:
+            gate.set()
+        for handle in (first, second):
+            with pytest.raises(RuntimeError, match="retention bug"):
+                handle.tier_result("slow", timeout=60)
+        ckpt.save(3, state_for(3)).tier_result("slow", timeout=60)
+        assert ckpt.wait(60)
+        assert ckpt._chain.tiers[0].catalog.steps() == [3]  # 1 and 2 were let go: retention removed them
+        assert ckpt._chain.tiers[1].catalog.steps() == [1, 3]
+
+
+def test_a_drain_that_cannot_be_started_is_the_saves_tier_result(mem_uri, tmp_path, monkeypatch):
+    """The drain thread refuses the task (closed while a commit ran: close() timed out): the save is committed
+    on the first tier, its tier result is that error at once, and the tier is not left marked busy."""
+    with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(tmp_path / "slow", name="slow")]) as ckpt:
+        drainer = ckpt._chain.tiers[1].drainer
+
+        def closed(*args, **kwargs):
+            raise tiersave.errors.ClosedError("the drain pool is shut down")
+
+        monkeypatch.setattr(drainer, "submit", closed)
+        handle = ckpt.save(1, state_for(1))
+        assert handle.result().step == 1
+        with pytest.raises(tiersave.errors.ClosedError, match="shut down"):
+            handle.tier_result("slow", timeout=0)
+        monkeypatch.undo()
+        assert ckpt.save(2, state_for(2)).tier_result("slow", timeout=60).step == 2
+
+
 def test_a_failed_drain_is_reported_and_the_checkpoint_stays_safe(mem_uri, tmp_path):
     flaky = FaultyStorage(LocalStorage(tmp_path / "flaky"), [Fault("finish", 1)])
     with tiersave.Checkpointer(tiers=[Tier(mem_uri), Tier(flaky, name="flaky")]) as ckpt:

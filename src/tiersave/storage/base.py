@@ -175,7 +175,8 @@ class Storage(Protocol):
         """Delete one object; a missing object is not an error."""
 
     def delete_prefix(self, prefix: str) -> None:
-        """Delete everything under ``prefix``; a missing prefix is not an error."""
+        """Delete everything under ``prefix``; a missing prefix is not an error. ``AlreadyExistsError`` where a
+        directory could not be removed because an entry landed in it meanwhile (backends with directories)."""
 
     def rename_prefix(self, src: str, dst: str) -> None:
         """Atomically rename ``src`` to ``dst`` without replacing an existing ``dst``, durably.
