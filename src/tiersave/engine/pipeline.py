@@ -108,6 +108,7 @@ class StagedWrite:
         self._last_event: Any = None
         self._staged_event = threading.Event()
         self.writers: list[BlobWriter] = []
+        self.ring.on_fail.append(partial(_interrupt, self.writers))  # a failed write lets waiting writes go
         try:
             for shard in plan.shards:
                 # the planned size bounds a file writer's preallocation (a killed save leaves no more)
@@ -434,23 +435,12 @@ class StagedWrite:
         self.write_s = time.perf_counter() - start
         plan = self.plan
         with paused_gc():
-            tensors = self._entries()
+            tensors = _entries(plan, self.crc1, self.crcs)
         shards = tuple(ShardInfo(shard_file(s.file), rank, s.size) for s in plan.shards)
         if self.increment is None:
             return Written(shards, tensors, plan.chunk_bytes)
         inc = self.increment
         return Written(inc.shard_infos(shards, referenced), tensors, plan.chunk_bytes, inc.algorithm)
-
-    def _entries(self) -> dict[str, TensorEntry]:
-        plan, entry, many = self.plan, TensorEntry, self.crcs
-        return {
-            name: entry(  # a flattened shape may be a torch.Size: the manifest holds plain tuples
-                name, dtype, tuple(shape), shard, offset, n, ((crc,) if i not in many else tuple(many[i])) if n else ()
-            )
-            for i, (name, dtype, shape, shard, offset, n, crc) in enumerate(
-                zip(plan.names, plan.dtypes, plan.shapes, plan.shard_of, plan.offsets, plan.nbytes, self.crc1)
-            )
-        }
 
     def abort(self) -> None:
         """Discard everything written (waits for in-flight writes first)."""
@@ -468,6 +458,28 @@ class StagedWrite:
 
 class _Aborted(Exception):
     pass
+
+
+def _entries(plan: SavePlan, crc1: list[str], crcs: dict[int, list[str]]) -> dict[str, TensorEntry]:
+    """The manifest entries of a written save: each tensor's place and CRC-32C (one, or one per chunk)."""
+    entry = TensorEntry
+    return {
+        name: entry(  # a flattened shape may be a torch.Size: the manifest holds plain tuples
+            name, dtype, tuple(shape), shard, offset, n, ((crc,) if i not in crcs else tuple(crcs[i])) if n else ()
+        )
+        for i, (name, dtype, shape, shard, offset, n, crc) in enumerate(
+            zip(plan.names, plan.dtypes, plan.shapes, plan.shard_of, plan.offsets, plan.nbytes, crc1)
+        )
+    }
+
+
+def _interrupt(writers: list[BlobWriter], exc: BaseException) -> None:
+    """A write of the save failed (or it was aborted): a writer whose later writes wait for its earlier bytes (an
+    object store's upload window) lets them go with the error, since those bytes may never be written."""
+    for writer in writers:
+        interrupt = getattr(writer, "interrupt", None)
+        if interrupt is not None:
+            interrupt(exc)
 
 
 _Write = tuple[Callable[..., None], tuple[Any, ...]]

@@ -137,6 +137,7 @@ class Ring:
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self.waited_s = 0.0
+        self.on_fail: list[Callable[[BaseException], object]] = []  # called once, with the first failure
 
     def segments(self, start: int, length: int) -> list[tuple[int, int]]:
         """Arena ``(position, length)`` pieces of the global range ``[start, start + length)``."""
@@ -171,11 +172,15 @@ class Ring:
         return self._error is not None
 
     def fail(self, exc: BaseException) -> None:
-        """Wake the staging thread with a writer's error."""
+        """Wake the staging thread with a writer's error (and, the first time, call ``on_fail`` with it)."""
         with self._cond:
-            if self._error is None:
+            first = self._error is None
+            if first:
                 self._error = exc
             self._cond.notify_all()
+        if first:
+            for callback in self.on_fail:
+                callback(exc)
 
 
 class HostCopier:

@@ -148,6 +148,9 @@ class _FaultyWriter:
     def abort(self) -> None:
         self._inner.abort()
 
+    def __getattr__(self, name: str) -> Any:  # the wrapped writer's other methods (interrupt)
+        return getattr(self._inner, name)
+
 
 class _FaultyReader:
     def __init__(self, owner: FaultyStorage, inner: BlobReader) -> None:

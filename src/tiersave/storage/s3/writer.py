@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import obstore
@@ -70,7 +71,10 @@ class S3BlobWriter:
     a ``write_at`` starting ``write_buffer_bytes`` or more past the first block not yet handed over waits
     (back-pressure), so at most ``write_buffer_bytes`` plus one write are buffered. A write at the first
     missing byte never waits, so writers that issue their writes roughly in offset order (as the tiersave
-    engines do, from a FIFO pool) cannot deadlock. ``finish`` fills gaps with zeros. An object that fits in
+    engines do, from a FIFO pool) cannot deadlock. A byte below the window that never comes (an earlier write
+    failed, or was never issued) cannot hang a waiting write: ``interrupt`` ends the wait with the caller's
+    error, and a wait that sees the window not move for twice the request timeout plus the retry time raises
+    ``StorageError``. ``finish`` fills gaps with zeros. An object that fits in
     one part is sent with a single PUT.
 
     Call protocol: ``write_at`` (any threads, disjoint ranges) -> ``finish(size)`` once, after every write
@@ -121,11 +125,24 @@ class S3BlobWriter:
         part = self._part
         first, last = offset // part, (end - 1) // part
         with self._cond:
+            stall_s = self._options.timeout_s * 2 + self._options.retry_timeout_s  # an upload's longest request
+            deadline, mark = time.monotonic() + stall_s, self._next
             while True:
                 self._check_writable()
                 if offset < self._next * part + self._window:
                     break
-                self._cond.wait()
+                if self._next != mark:  # the window moved: the wait starts again
+                    deadline, mark = time.monotonic() + stall_s, self._next
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StorageError(
+                        f"{self.key!r} on {self._uri}: a write at byte {offset} waited {stall_s:.0f} s for the bytes "
+                        f"from byte {self._next * part} on, which no write brought (an earlier write of this object "
+                        "failed or was never issued); nothing of the object is visible",
+                        tier=self._uri,
+                        key=self.key,
+                    )
+                self._cond.wait(left)
             if first < self._next:
                 raise StorageError(
                     f"{self.key!r}: write at byte {offset} after that part was uploaded (overlapping writes?)",
@@ -170,6 +187,14 @@ class S3BlobWriter:
             del self._sent[i]
             return buf
         return bytearray(self._part)
+
+    def interrupt(self, exc: BaseException) -> None:
+        """The object will not be finished (another write of it failed): writes waiting for the window raise
+        ``exc`` now, as does any later one. ``abort`` still follows, and removes the upload."""
+        with self._cond:
+            if self._error is None and self._state == "open":
+                self._error = exc
+            self._cond.notify_all()
 
     def _check_writable(self) -> None:
         if self._error is not None:
