@@ -102,3 +102,40 @@ def test_a_staged_save_whose_first_write_fails_fails_at_once_not_after_the_bound
         assert inner.list_multipart_uploads("") == []
     finally:
         inner.close()
+
+
+def test_an_incremental_save_with_an_unchanged_piece_below_a_changed_one_past_the_window(seaweed, s3_bucket):
+    """An incremental save fills its unchanged pieces from the base after every write; a changed piece more than
+    the window past an unchanged one waited for it for good (3 s and a StorageError with this bound). The
+    writer stops holding writes to the window once a piece is left for later, and the save commits."""
+    inner = seaweed.storage(s3_bucket, "inc", **WINDOW)
+    w = torch.randn(10 << 20)  # 40 MiB: one shard, 20 chunks of 2 MiB, eight times the window
+    try:
+        with tiersave.Checkpointer(inner, incremental=True, chunk_bytes=2 << 20, io_threads=4, event_log=False) as ck:
+            ck.save(1, {"w": w})
+            w[-1000:] += 1  # only the last chunk changes
+            handle = ck.save(2, {"w": w})
+            assert handle.stats.extra.get("referenced_bytes", 0) == 0  # the shard is written, partly from the base
+            assert torch.equal(ck.restore(2)["w"], w) and ck.catalog.verify(2).ok
+    finally:
+        inner.close()
+
+
+def test_a_lazy_save_whose_eager_bytes_lie_past_the_window_above_guarded_ones(seaweed, s3_bucket):
+    """A lazy save writes its unguarded tensors first and the guarded ones in later phases: here the guarded
+    weight (16 MiB) lies first in the shard, so the eager writes past the window waited for bytes that only the
+    later phases, queued behind them, bring. The writer does not hold phased writes to the window."""
+    inner = seaweed.storage(s3_bucket, "lazy", **WINDOW)
+    model = torch.nn.Linear(2048, 2048, bias=False)  # 16 MiB, changed only through the guarded optimizer
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = torch.randn(10 << 20)  # 40 MiB the guard knows nothing of: copied and written at once
+    state = {"model": model, "extra": extra}
+    expected = {"weight": model.weight.detach().clone(), "extra": extra.clone()}
+    try:
+        with tiersave.Checkpointer(inner, guard=[optim], chunk_bytes=2 << 20, io_threads=4, event_log=False) as ck:
+            ck.save_async(1, state, lazy=True).result(60)
+            restored = ck.restore(1)
+        assert torch.equal(restored["model"]["weight"], expected["weight"])
+        assert torch.equal(restored["extra"], expected["extra"])
+    finally:
+        inner.close()

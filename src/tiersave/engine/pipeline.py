@@ -40,6 +40,7 @@ from ..format.jsonsafe import paused_gc
 from ..format.manifest import ShardInfo, TensorEntry
 from ..storage.base import BlobWriter, Storage
 from .increment import Increment
+from .ordering import expect_gaps, interrupt
 from .plan import GROUP_BYTES as GROUP_BYTES
 from .plan import SMALL_TENSOR_BYTES as SMALL_TENSOR_BYTES
 from .plan import SavePlan as SavePlan
@@ -108,7 +109,7 @@ class StagedWrite:
         self._last_event: Any = None
         self._staged_event = threading.Event()
         self.writers: list[BlobWriter] = []
-        self.ring.on_fail.append(partial(_interrupt, self.writers))  # a failed write lets waiting writes go
+        self.ring.on_fail.append(partial(interrupt, self.writers))  # a failed write lets waiting writes go
         try:
             for shard in plan.shards:
                 # the planned size bounds a file writer's preallocation (a killed save leaves no more)
@@ -316,6 +317,7 @@ class StagedWrite:
         """Submit the writes of ``units``, staged in place by engine/phased.py (``event``: after the device copies)."""
         if event is not None:
             self._last_event = event
+        expect_gaps(self.writers)  # phases come in the guard's order, not in offset order
         submit, write = self.executor.submit, self._write_unit
         self.futures.extend(submit(write, u, [(u.global_offset, u.padded)], event) for u in units)
 
@@ -347,6 +349,8 @@ class StagedWrite:
                 segments = []
             elif segments and not checked and not self._checksummed(u):
                 self._checksum(u, segments)
+            if not segments:  # filled from the base after every write (settle): later writes must not wait for it
+                expect_gaps([self.writers[u.shard]])
             offset = u.file_offset
             writer = self.writers[u.shard]
             for pos, n in segments:
@@ -471,15 +475,6 @@ def _entries(plan: SavePlan, crc1: list[str], crcs: dict[int, list[str]]) -> dic
             zip(plan.names, plan.dtypes, plan.shapes, plan.shard_of, plan.offsets, plan.nbytes, crc1)
         )
     }
-
-
-def _interrupt(writers: list[BlobWriter], exc: BaseException) -> None:
-    """A write of the save failed (or it was aborted): a writer whose later writes wait for its earlier bytes (an
-    object store's upload window) lets them go with the error, since those bytes may never be written."""
-    for writer in writers:
-        interrupt = getattr(writer, "interrupt", None)
-        if interrupt is not None:
-            interrupt(exc)
 
 
 _Write = tuple[Callable[..., None], tuple[Any, ...]]

@@ -188,6 +188,14 @@ class S3BlobWriter:
             return buf
         return bytearray(self._part)
 
+    def expect_gaps(self) -> None:
+        """Writes of this object will not come in offset order (a byte is written after writes far past it: a
+        piece an incremental save fills from its base at the end, a lazy save's phases): no write waits for the
+        window any more. Memory is then bounded by the object's size instead of ``write_buffer_bytes``."""
+        with self._cond:
+            self._window = self._max_bytes
+            self._cond.notify_all()
+
     def interrupt(self, exc: BaseException) -> None:
         """The object will not be finished (another write of it failed): writes waiting for the window raise
         ``exc`` now, as does any later one. ``abort`` still follows, and removes the upload."""
