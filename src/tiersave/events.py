@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,12 @@ class EventLog:
                     os.replace(self.path, self.path.with_name(self.path.name + ".1"))
             except FileNotFoundError:
                 pass
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # never blocks (a FIFO put there has no reader) and never follows a link; only a regular file is written
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
+            fd = os.open(self.path, flags, 0o644)
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ValueError(f"{self.path} is not a regular file")
                 os.write(fd, line)
             finally:
                 os.close(fd)

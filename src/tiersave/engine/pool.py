@@ -30,7 +30,8 @@ class DaemonThreadPool(Executor):
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._shutdown = False
-        self._lock = threading.Lock()
+        # reentrant: a SIGTERM handler on the main thread may submit while that thread is inside submit()
+        self._lock = threading.RLock()
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
         for t in self._threads:
             t.start()

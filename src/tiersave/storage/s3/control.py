@@ -200,9 +200,10 @@ class S3Control:
             if (root.findtext(f"{_NS}IsTruncated") or "").lower() != "true":
                 break
             next_key = root.findtext(f"{_NS}NextKeyMarker") or ""
-            if not next_key:
+            following = {"key-marker": next_key, "upload-id-marker": root.findtext(f"{_NS}NextUploadIdMarker") or ""}
+            if not next_key or following == marker:  # no way on, or a server repeating its page: stop, not loop
                 break
-            marker = {"key-marker": next_key, "upload-id-marker": root.findtext(f"{_NS}NextUploadIdMarker") or ""}
+            marker = following
         return sorted(out.values(), key=lambda u: (u.key, u.upload_id))
 
     def abort_upload(self, key: str, upload_id: str, *, retries: int | None = None) -> None:

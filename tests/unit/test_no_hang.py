@@ -1,0 +1,72 @@
+"""Waits that must end: an event log path that is a FIFO, a submission re-entering the pool's lock (a SIGTERM
+handler on the thread inside ``submit``), and an S3 listing whose server repeats its page."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+
+from tiersave.engine.pool import DaemonThreadPool
+from tiersave.events import EventLog
+from tiersave.storage.s3 import S3Storage
+
+
+def test_an_event_log_that_is_a_fifo_is_not_written_and_does_not_block(tmp_path, caplog):
+    path = tmp_path / "tiersave-events.jsonl"
+    os.mkfifo(path)
+    done = threading.Event()
+
+    def append() -> None:
+        EventLog(path).append({"step": 1, "outcome": "committed"})
+        done.set()
+
+    thread = threading.Thread(target=append, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="tiersave.events"):
+        thread.start()
+        finished = done.wait(10)
+        if not finished:  # the old open blocked for a reader: give it one so the thread ends
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            thread.join(10)
+            os.close(fd)
+    assert finished, "appending to a FIFO blocked"
+    assert "could not append to the event log" in caplog.text
+
+
+def test_a_submission_from_inside_a_submission_does_not_deadlock():
+    """A signal handler runs on the main thread between any two bytecodes, also while that thread is inside
+    submit() holding the pool's lock; a handler that submits must not wait for that lock forever."""
+    pool = DaemonThreadPool(1, "reentry")
+    try:
+        with pool._lock:  # the main thread, interrupted inside submit()
+            future = pool.submit(lambda: 42)  # the handler's submission
+        assert future.result(10) == 42
+    finally:
+        pool.shutdown(wait=False)
+
+
+def test_a_multipart_listing_whose_server_repeats_its_page_ends(monkeypatch):
+    storage = S3Storage.from_uri(
+        "s3://bucket/run?endpoint=http://127.0.0.1:9", env={}, access_key_id="a", secret_access_key="b"
+    )
+    page = (
+        b'<?xml version="1.0"?><ListMultipartUploadsResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        b"<IsTruncated>true</IsTruncated><NextKeyMarker>run/k</NextKeyMarker><NextUploadIdMarker>u1"
+        b"</NextUploadIdMarker><Upload><Key>run/k</Key><UploadId>u1</UploadId>"
+        b"<Initiated>2026-11-25T00:00:00.000Z</Initiated></Upload></ListMultipartUploadsResult>"
+    )
+    calls: list[dict] = []
+    control = storage._control_client()
+
+    def request(method, key, query, **kwargs):
+        calls.append(query)
+        if len(calls) > 5:
+            pytest.fail("the listing kept asking for the same page")
+        return None, page
+
+    monkeypatch.setattr(control, "request", request)
+    uploads = storage.list_multipart_uploads("")
+    assert [(u.key, u.upload_id) for u in uploads] == [("k", "u1")]
+    assert len(calls) == 2  # the first page, then the same page again: stop
