@@ -204,15 +204,25 @@ class Replicas:
         if self._pool is None:
             return
         future: Future[CheckpointInfo | None] = Future()
+        future.set_running_or_notify_cancel()  # a caller's cancel() must not make the task's set_result raise
         handle.tiers[self.result_name] = future
         chain.protection.hold(0, handle.step)  # our own retention must not delete what the holders pull
         try:
             self._pool.submit(self._replicate, handle.step, chain, future)
-        except BaseException:
+        except BaseException as exc:  # closed (close() timed out while this commit ran): nothing will resolve it
             chain.protection.release(0, handle.step)
+            future.set_exception(exc)
             raise
 
     def _replicate(self, step: int, chain: TierChain, future: Future[CheckpointInfo | None]) -> None:
+        try:
+            self._replicate_step(step, chain, future)
+        except BaseException as exc:  # an unexpected error: the replica future still ends
+            if not future.done():
+                future.set_exception(exc)
+            raise
+
+    def _replicate_step(self, step: int, chain: TierChain, future: Future[CheckpointInfo | None]) -> None:
         started = time.perf_counter()
         failures: list[str] = []
         copied = 0

@@ -70,3 +70,21 @@ def test_a_multipart_listing_whose_server_repeats_its_page_ends(monkeypatch):
     uploads = storage.list_multipart_uploads("")
     assert [(u.key, u.upload_id) for u in uploads] == [("k", "u1")]
     assert len(calls) == 2  # the first page, then the same page again: stop
+
+
+def test_a_replication_task_that_fails_unexpectedly_still_ends_its_replica_future():
+    """``<tier>.replica``'s future was resolved only on the paths the task expected (peers that failed with a
+    TiersaveError); any other error left ``tier_result(...)`` waiting for good."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from tiersave.replication import Replicas
+
+    def broken(step, chain, future):
+        raise KeyError("node 3")  # e.g. a layout without this node's address
+
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+    with pytest.raises(KeyError):
+        Replicas._replicate(SimpleNamespace(_replicate_step=broken), 7, None, future)
+    assert isinstance(future.exception(timeout=0), KeyError)
