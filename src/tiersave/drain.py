@@ -41,6 +41,7 @@ from . import knobs
 from .catalog import Catalog, OpenCheckpoint
 from .commit import commit_for
 from .engine.codec import DecodingReader, encode_frame, plan_frames, require_codec
+from .engine.ordering import interrupt
 from .errors import AlreadyExistsError, ConfigError, CorruptCheckpointError
 from .events import drained_event
 from .format.checksum import chunk_ranges, crc32c_hex
@@ -174,8 +175,11 @@ class _Pump:
     """Runs a function over chunks on a pool, each with a buffer from a bounded set; stops at the first
     error and re-raises it after every started task has returned."""
 
-    def __init__(self, executor: Executor, buffers: int, chunk_bytes: int) -> None:
+    def __init__(
+        self, executor: Executor, buffers: int, chunk_bytes: int, on_error: Callable[[BaseException], object] = repr
+    ) -> None:
         self.executor = executor
+        self.on_error = on_error  # called once, with the first error (the writers' waits end with it)
         self.free: queue.Queue[memoryview] = queue.Queue()
         for _ in range(buffers):
             self.free.put(aligned_buffer(chunk_bytes))
@@ -200,8 +204,11 @@ class _Pump:
                 work(chunk, buf[: chunk.length])
         except BaseException as exc:
             with self.lock:
-                if self.error is None:
+                first = self.error is None
+                if first:
                     self.error = exc
+            if first:
+                self.on_error(exc)
         finally:
             self.free.put(buf)
 
@@ -414,7 +421,10 @@ def _write_plain(ckpt: OpenCheckpoint, index: Sequence[int], manifest: Manifest,
         writers[chunk.shard].write_at(chunk.offset, view)
         advance(chunk.length)
 
-    _Pump(pool, nbuffers, manifest.chunk_bytes).run(_chunks(manifest), transfer)
+    # a chunk that fails (a bad source checksum) is never written: writes waiting for it in an upload window end
+    _Pump(pool, nbuffers, manifest.chunk_bytes, functools.partial(interrupt, list(writers))).run(
+        _chunks(manifest), transfer
+    )
     for writer, shard in zip(writers, manifest.shards):
         writer.finish(shard.size)
 

@@ -88,3 +88,24 @@ def test_a_replication_task_that_fails_unexpectedly_still_ends_its_replica_futur
     with pytest.raises(KeyError):
         Replicas._replicate(SimpleNamespace(_replicate_step=broken), 7, None, future)
     assert isinstance(future.exception(timeout=0), KeyError)
+
+
+def test_a_drain_whose_chunk_fails_tells_its_writers_once():
+    """The drain's pump calls ``on_error`` once, with the first failure: the copy interrupts its writers there,
+    so a write waiting in an upload window for the failed chunk's bytes ends instead of waiting for them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tiersave.drain import _Chunk, _Pump
+
+    told: list[BaseException] = []
+
+    def work(chunk, view) -> None:
+        if chunk.offset == 0:
+            raise ValueError("chunk 0 failed its checksum")
+
+    with ThreadPoolExecutor(2) as pool:
+        pump = _Pump(pool, 2, 4096, told.append)
+        chunks = [_Chunk(0, offset, 4096, "", "w", i) for i, offset in enumerate(range(0, 8 * 4096, 4096))]
+        with pytest.raises(ValueError, match="checksum"):
+            pump.run(chunks, work)
+    assert [str(e) for e in told] == ["chunk 0 failed its checksum"]
