@@ -109,3 +109,19 @@ def test_a_drain_whose_chunk_fails_tells_its_writers_once():
         with pytest.raises(ValueError, match="checksum"):
             pump.run(chunks, work)
     assert [str(e) for e in told] == ["chunk 0 failed its checksum"]
+
+
+def test_a_demo_worker_that_writes_much_to_stderr_and_fails_is_reported_not_waited_for():
+    """The demo read its worker's stderr pipe only after the worker ended: a worker that wrote more than a pipe
+    holds (a long traceback, warnings) blocked on it, and the demo waited for its stdout for good."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from tiersave.demo.run import DemoError, RunLog, _follow, _Worker
+
+    script = "import sys; sys.stderr.write('x' * 1_000_000 + 'the last words'); sys.exit(3)"
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=err, text=True)
+        with pytest.raises(DemoError, match=r"exit code 3:\n.*the last words"):
+            _follow(_Worker(proc, err), RunLog())

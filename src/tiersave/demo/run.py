@@ -19,10 +19,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from ..catalog import Catalog
 from ..errors import TiersaveError
@@ -45,20 +46,47 @@ class RunLog:
     started: float = field(default_factory=time.perf_counter)
 
 
-def _worker(args: list[str]) -> subprocess.Popen[str]:
+_WORKER_LIMIT_S = 1800.0
+"""A demo worker still running after this is killed and reported (a healthy one takes well under a minute)."""
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen[str]
+    stderr: IO[str]  # a file, not a pipe nobody reads: a chatty worker never blocks on it
+
+
+def _worker(args: list[str]) -> _Worker:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.Popen(
-        [sys.executable, "-m", "tiersave.demo.train", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
+    err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (the worker's lifetime: closed by _follow)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiersave.demo.train", *args], stdout=subprocess.PIPE, stderr=err, text=True, env=env
     )
+    return _Worker(proc, err)
 
 
-def _follow(proc: subprocess.Popen[str], log: RunLog, kill_at: int | None = None) -> None:
+def _follow(worker: _Worker, log: RunLog, kill_at: int | None = None) -> None:
+    proc = worker.proc
     if proc.stdout is None:
         raise DemoError("the demo worker has no stdout pipe")
+    watchdog = threading.Timer(_WORKER_LIMIT_S, proc.kill)  # a hung worker ends the loop below (its pipe closes)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        _read_events(proc, log, kill_at)
+        proc.wait(_WORKER_LIMIT_S)
+    finally:
+        watchdog.cancel()
+    log.seconds = time.perf_counter() - log.started
+    with worker.stderr:
+        if kill_at is None and proc.returncode != 0:
+            worker.stderr.seek(0)
+            err = worker.stderr.read()[-20000:]
+            raise DemoError(f"the demo worker failed with exit code {proc.returncode}:\n{err}")
+
+
+def _read_events(proc: subprocess.Popen[str], log: RunLog, kill_at: int | None) -> None:
+    assert proc.stdout is not None
     for line in proc.stdout:
         event = json.loads(line)
         kind = event["event"]
@@ -74,11 +102,6 @@ def _follow(proc: subprocess.Popen[str], log: RunLog, kill_at: int | None = None
             log.restore = event
         elif kind == "done":
             log.done = event
-    proc.wait()
-    log.seconds = time.perf_counter() - log.started
-    if kill_at is None and proc.returncode != 0:
-        err = proc.stderr.read() if proc.stderr else ""
-        raise DemoError(f"the demo worker failed with exit code {proc.returncode}:\n{err}")
 
 
 def main(
