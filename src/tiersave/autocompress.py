@@ -32,6 +32,7 @@ import numpy as np
 
 from .drain import CopyResult
 from .engine.codec import LEVEL, encode_frame, require_codec
+from .storage.posix.safepath import read_regular_file
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class CodecCalibration:
     def __init__(self, bytes_per_s: float, ratio: float) -> None:
         self.bytes_per_s = bytes_per_s
         self.ratio = ratio
+
+
+_CACHE_MAX_BYTES = 1 << 20  # far more than the cache holds: a longer file is no cache (a JSON error)
 
 
 def _positive(value: Any) -> bool:
@@ -98,7 +102,7 @@ def codec_calibration(*, refresh: bool = False) -> CodecCalibration:
             return _calibration
         path, key = _cache_path(), _cache_key()
         try:
-            entry = json.loads(path.read_text(encoding="utf-8")).get(key) if not refresh else None
+            entry = json.loads(read_regular_file(path, _CACHE_MAX_BYTES).decode()).get(key) if not refresh else None
             if isinstance(entry, dict) and all(_positive(entry.get(k)) for k in ("bytes_per_s", "ratio")):
                 _calibration = CodecCalibration(entry["bytes_per_s"], entry["ratio"])
                 return _calibration
@@ -107,7 +111,9 @@ def codec_calibration(*, refresh: bool = False) -> CodecCalibration:
         _calibration = _measure()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            doc: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+            doc: dict[str, Any] = (
+                json.loads(read_regular_file(path, _CACHE_MAX_BYTES).decode()) if path.exists() else {}
+            )
             doc[key] = {"bytes_per_s": _calibration.bytes_per_s, "ratio": _calibration.ratio, "time": time.time()}
             tmp = path.with_suffix(f".tmp-{os.getpid()}")
             tmp.write_text(json.dumps(doc), encoding="utf-8")

@@ -57,6 +57,7 @@ from tiersave.errors import (
     TiersaveWarning,
 )
 from tiersave.policy import CheckpointLike
+from tiersave.storage.posix.safepath import read_regular_file
 
 __all__ = ["POINTER_FORMAT", "TiersaveCheckpointIO", "read_pointer"]
 
@@ -77,10 +78,11 @@ def read_pointer(path: str | os.PathLike[str]) -> int:
         FormatError: the file is not such a pointer (a ``torch.save`` ``.ckpt`` is never unpickled).
     """
     try:
-        with open(path, "rb") as f:
-            raw = f.read(4097)
+        raw = read_regular_file(path, 4096)  # never blocks: a FIFO among the checkpoints is no pointer
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint file at {os.fspath(path)}") from None
+    except OSError:
+        raw = b""
     try:
         data = json.loads(raw) if len(raw) <= 4096 else None
     except ValueError:

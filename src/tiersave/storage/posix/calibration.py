@@ -35,6 +35,7 @@ from ...format.layout import new_token
 from ...knobs import int_env  # one parser for every TIERSAVE_* integer
 from .buffers import address_of, aligned_buffer
 from .directio import DEFAULT_BLOCK_BYTES, open_direct
+from .safepath import read_regular_file
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +160,12 @@ def cache_path() -> Path:
     return Path(base) / "tiersave" / "io-calibration.json"
 
 
+_CACHE_MAX_BYTES = 1 << 20  # a cache of any size this holds is far larger: a longer file is not one (ValueError)
+
+
 def _load_cache() -> dict[str, Any]:
     try:
-        data = json.loads(cache_path().read_text(encoding="utf-8"))
+        data = json.loads(read_regular_file(cache_path(), _CACHE_MAX_BYTES).decode("utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

@@ -219,3 +219,27 @@ class DirWalk:
                     key=key,
                 ) from None
         raise ObjectNotFoundError(f"{key!r}: directory {component!r} keeps disappearing", tier=self.uri, key=key)
+
+
+def read_regular_file(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """At most ``max_bytes + 1`` bytes of the file ``path`` (so a caller can tell a longer file), which must be a
+    regular file: opened without blocking, so a FIFO put there (no writer) cannot stall the caller.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        OSError: it cannot be read, or it is not a regular file (``EINVAL``).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
