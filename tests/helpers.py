@@ -7,6 +7,8 @@ import math
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +214,23 @@ def assert_refuses_a_busy_dir(script: str, tmp_path: Path, *args: str) -> None:
     done = run_benchmark(script, "--dir", str(new), *args, "--json", str(new / "r.json"), timeout=60)
     assert done.returncode == 2 and "--json must lie outside --dir" in done.stderr
     assert not new.exists()
+
+
+def within(seconds: float, fn: Callable[[], Any]) -> Any:
+    """``fn()``'s result or exception, run on a daemon thread that must return within ``seconds`` (a call that
+    might block for good fails the test instead of hanging it)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn} did not return within {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 from typing import Any
 
 import pytest
 
+from helpers import within
 from tiersave.errors import PermissionDeniedError, StorageError
 from tiersave.storage import open_storage
 from tiersave.testing.seaweed import SeaweedServer
@@ -29,21 +29,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 def failure(uri: str, limit_s: float = 60.0) -> StorageError:
     """The error of a first write through ``open_storage(uri)``, which must come within ``limit_s``."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            open_storage(uri).put("probe", b"x")
-        except BaseException as exc:
-            out["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(limit_s)
-    assert not thread.is_alive(), f"no answer within {limit_s} s"
-    error = out.get("error")
-    assert isinstance(error, StorageError), error
-    return error
+    with pytest.raises(StorageError) as info:
+        within(limit_s, lambda: open_storage(uri).put("probe", b"x"))
+    return info.value
 
 
 def test_no_credentials_names_endpoint_bucket_and_settings(seaweed: SeaweedServer, clean_env: Any) -> None:

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from helpers import within
 from tiersave.engine.pool import DaemonThreadPool
 from tiersave.events import EventLog
 from tiersave.storage.s3 import S3Storage
@@ -127,25 +128,6 @@ def test_a_demo_worker_that_writes_much_to_stderr_and_fails_is_reported_not_wait
             _follow(_Worker(proc, err), RunLog())
 
 
-def _in_thread(fn, seconds: float = 10.0):
-    """``fn()``'s result, or a failure if it has not returned within ``seconds`` (a blocked open)."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:
-            out["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"{fn} blocked"
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
 def test_a_fifo_where_a_lightning_pointer_or_a_cache_is_expected_does_not_block(tmp_path, monkeypatch):
     """A FIFO among the checkpoint files (the Lightning plugin reads every ``.ckpt`` it lists) or at a cache's
     path blocked its reader until something wrote to it; each is now not a pointer, or no cache."""
@@ -155,13 +137,13 @@ def test_a_fifo_where_a_lightning_pointer_or_a_cache_is_expected_does_not_block(
 
     os.mkfifo(tmp_path / "last.ckpt")
     with pytest.raises(FormatError, match="not a tiersave checkpoint pointer"):
-        _in_thread(lambda: read_pointer(tmp_path / "last.ckpt"))
+        within(10, lambda: read_pointer(tmp_path / "last.ckpt"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     (tmp_path / "cache" / "tiersave").mkdir(parents=True)
     os.mkfifo(calibration.cache_path())
-    assert _in_thread(calibration._load_cache) == {}
+    assert within(10, calibration._load_cache) == {}
     from tiersave import autocompress
 
     monkeypatch.setattr(autocompress, "_calibration", None)  # not measured in this process yet
     os.mkfifo(tmp_path / "cache" / "tiersave" / "codec-calibration.json")
-    assert _in_thread(autocompress.codec_calibration).ratio > 0  # measured; the FIFO is no cache, and left alone
+    assert within(10, autocompress.codec_calibration).ratio > 0  # measured; the FIFO is no cache, and left alone
