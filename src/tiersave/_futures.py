@@ -6,9 +6,18 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, TypeVar
 
 _GLANCE_S = 0.05  # an idle thread runs a no-op well within this
+T = TypeVar("T")
+
+
+def running_future() -> Future[T]:
+    """A future already marked running, for a result a background task sets later and a caller may wait on:
+    the caller's ``cancel()`` then returns False instead of making the task's ``set_result`` raise."""
+    future: Future[T] = Future()
+    future.set_running_or_notify_cancel()
+    return future
 
 
 def wait_all(futures: Iterable[Future[Any]]) -> None:

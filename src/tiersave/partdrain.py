@@ -44,6 +44,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from ._crash import crashpoint
+from ._futures import running_future
 from .catalog import CheckpointInfo
 from .commit import check_shards_visible
 from .drain import copy_shards, destination_names
@@ -196,8 +197,7 @@ class PartDrains:
             return
         for name in chosen:
             tier = chain.get(name)
-            future: Future[CheckpointInfo | None] = Future()
-            future.set_running_or_notify_cancel()  # a caller's cancel() must not make the drain's set_result raise
+            future: Future[CheckpointInfo | None] = running_future()
             handle.tiers[tier.name] = future
             chain.protection.hold(0, handle.step)  # the memory tier's retention must not delete the source
             tier.sent += 1

@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._futures import running_future
 from .catalog import Catalog, CheckpointInfo, OpenCheckpoint
 from .engine.pool import DaemonThreadPool
 from .errors import CheckpointNotFoundError, ConfigError, TiersaveError
@@ -203,8 +204,7 @@ class Replicas:
         node's part in the background (the handle's ``<tier>.replica`` future reports it)."""
         if self._pool is None:
             return
-        future: Future[CheckpointInfo | None] = Future()
-        future.set_running_or_notify_cancel()  # a caller's cancel() must not make the task's set_result raise
+        future: Future[CheckpointInfo | None] = running_future()
         handle.tiers[self.result_name] = future
         chain.protection.hold(0, handle.step)  # our own retention must not delete what the holders pull
         try:

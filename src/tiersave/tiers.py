@@ -41,6 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ._futures import running_future
 from .autocompress import AutoCompress
 from .catalog import Catalog, CheckpointInfo
 from .commit import CommitStrategy, commit_for
@@ -373,7 +374,7 @@ class TierChain:
         if tier.drainer is None:
             return None, None, handle.step, tier.name
         widen = False
-        future = _running_future()
+        future: Future[CheckpointInfo | None] = running_future()
         handle.tiers[tier.name] = future  # sent now, or deferred: resolved by its drain, or when superseded
         with self._lock:
             deferred = tier.draining
@@ -419,7 +420,7 @@ class TierChain:
         """A save that the tier's configured cadence selects but its widened one leaves out replaces the save
         waiting to catch up there: still one catch-up, of a newer checkpoint, so a tier that cannot keep up ends a
         burst with the newest save it would have been sent. To an idle tier it is not sent (that is the widening)."""
-        future = _running_future()
+        future: Future[CheckpointInfo | None] = running_future()
         with self._lock:
             older = tier.behind
             if not tier.draining or older is None:
@@ -475,7 +476,7 @@ class TierChain:
                         _supersede_future(behind, behind_future, step, tier.name)
                     return
                 # its hold, taken when it was deferred, passes to this drain; its future is its handle's
-                step, future = behind, behind_future if behind_future is not None else _running_future()
+                step, future = behind, behind_future if behind_future is not None else running_future()
                 tier.sent += 1
                 tier.last_sent_mono = time.monotonic()
                 self.log({"step": step, "tier": tier.name, "outcome": "catch_up", "time": time.time()})
@@ -574,12 +575,6 @@ def _event_log(tiers: Sequence[TierRuntime]) -> EventLog | None:
     local = [t for t in tiers if getattr(t.storage, "root", None) is not None]
     chosen = next((t for t in local if t.storage.capabilities.durable), local[0] if local else None)
     return EventLog(Path(chosen.storage.root) / EVENTS_NAME) if chosen is not None else None  # type: ignore[attr-defined]
-
-
-def _running_future() -> Future[CheckpointInfo | None]:
-    future: Future[CheckpointInfo | None] = Future()
-    future.set_running_or_notify_cancel()  # a caller's cancel() must not make the drain task's set_result raise
-    return future
 
 
 _Superseded = tuple[int | None, "Future[CheckpointInfo | None] | None", int, str]
